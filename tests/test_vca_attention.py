@@ -1,0 +1,110 @@
+import pytest
+import torch
+
+from tests.reference_vca import reference_vca
+from vca_patch.attention import TokenLayout, VisualContrastAttention
+
+
+def _randomised(module: VisualContrastAttention) -> VisualContrastAttention:
+    """Every parameter random, λ away from 0, so each term of the equations matters."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.3)
+        module.stage1_norm.weight.uniform_(0.5, 1.5)
+        module.stage2_norm.weight.uniform_(0.5, 1.5)
+    return module
+
+
+GRIDS = [(6, 6), (5, 8), (7, 3)]
+
+
+@pytest.mark.parametrize("softmax", ["joint", "separate"])
+@pytest.mark.parametrize("num_prefix", [0, 1, 2, 5])
+@pytest.mark.parametrize("grid", GRIDS)
+def test_matches_float64_reference(softmax, num_prefix, grid):
+    module = _randomised(
+        VisualContrastAttention(24, 3, contrast_grid=(2, 3), layer_index=4, softmax=softmax)
+    ).double()
+    x = torch.randn(2, num_prefix + grid[0] * grid[1], 24, dtype=torch.float64)
+    lam1, lam2 = module.lambdas()
+    assert abs(lam1) > 1e-3 and abs(lam2) > 1e-3
+    expected = reference_vca(module, x, num_prefix, grid)
+    got = module(x, layout=TokenLayout(num_prefix, grid))
+    rel = (got - expected).norm() / expected.norm()
+    assert rel < 1e-10, rel
+
+
+@pytest.mark.parametrize("softmax", ["joint", "separate"])
+def test_float32_within_1e5_of_reference(softmax):
+    module = _randomised(VisualContrastAttention(32, 4, contrast_grid=(3, 3), layer_index=2, softmax=softmax))
+    x = torch.randn(2, 1 + 9 * 7, 32)
+    expected = reference_vca(module, x, 1, (9, 7))
+    got = module(x, layout=TokenLayout(1, (9, 7))).double()
+    assert (got - expected).norm() / expected.norm() < 1e-5
+
+
+def test_joint_and_separate_differ_when_lambda_is_not_zero():
+    joint = _randomised(VisualContrastAttention(16, 2, contrast_grid=(2, 2), softmax="joint"))
+    separate = VisualContrastAttention(16, 2, contrast_grid=(2, 2), softmax="separate")
+    separate.load_state_dict(joint.state_dict())
+    x = torch.randn(1, 1 + 16, 16)
+    layout = TokenLayout(1, (4, 4))
+    assert not torch.allclose(joint(x, layout=layout), separate(x, layout=layout), atol=1e-3)
+
+
+def test_preserve_init_gives_zero_lambda_with_live_gradient():
+    module = VisualContrastAttention(32, 4, layer_index=7)
+    lam1, lam2 = module.lambdas()
+    assert abs(lam1) < 1e-6 and abs(lam2) < 1e-6
+    assert module.lambda_init == pytest.approx(0.8 - 0.6 * torch.exp(torch.tensor(-2.1)).item())
+    for p in (module.lambda1.q1, module.lambda1.k2, module.lambda2.q2):
+        assert p.abs().sum() > 0
+    # The negative stream has no effect at λ = 0, and e± = 0, DWC = 0.
+    assert module.contrast_embed_pos.abs().sum() == 0 and module.dwc.weight.abs().sum() == 0
+
+
+def test_preserve_init_joint_equals_separate():
+    joint = VisualContrastAttention(32, 4, contrast_grid=(3, 3), softmax="joint")
+    separate = VisualContrastAttention(32, 4, contrast_grid=(3, 3), softmax="separate")
+    separate.load_state_dict(joint.state_dict())
+    x = torch.randn(2, 2 + 36, 32)
+    layout = TokenLayout(2, (6, 6))
+    torch.testing.assert_close(joint(x, layout=layout), separate(x, layout=layout), atol=5e-3, rtol=0)
+
+
+def test_parameter_count_matches_paper_formula():
+    # VCA adds 2nC + 10d + 10C per layer (docs/vca.md §2.1).
+    module = VisualContrastAttention(192, 3, contrast_grid=(7, 7))
+    carried = sum(p.numel() for name, p in module.named_parameters() if name.startswith(("qkv", "proj")))
+    added = sum(p.numel() for p in module.parameters()) - carried
+    assert added == 2 * 49 * 192 + 10 * 64 + 10 * 192 == 21376
+
+
+def test_layout_mismatch_is_a_clear_error():
+    module = VisualContrastAttention(16, 2, contrast_grid=(2, 2))
+    with pytest.raises(ValueError, match="1 prefix \\+ 4x4 patches = 17"):
+        module(torch.randn(1, 20, 16), layout=TokenLayout(1, (4, 4)))
+    with pytest.raises(ValueError, match="needs the token layout"):
+        module(torch.randn(1, 17, 16))
+    with pytest.raises(ValueError, match="masks"):
+        module(torch.randn(1, 17, 16), attn_mask=torch.ones(17, 17, dtype=torch.bool), layout=TokenLayout(1, (4, 4)))
+
+
+def test_bf16_autocast_is_finite_and_close():
+    module = VisualContrastAttention(32, 4, contrast_grid=(2, 2))
+    x = torch.randn(2, 1 + 25, 32)
+    layout = TokenLayout(1, (5, 5))
+    ref = module(x, layout=layout)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = module(x, layout=layout)
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref).norm() / ref.norm() < 5e-2
+
+
+def test_backward_reaches_every_new_parameter_in_paper_init():
+    module = VisualContrastAttention(16, 2, contrast_grid=(2, 2))
+    module.reset_vca_parameters("paper")
+    x = torch.randn(2, 1 + 16, 16)
+    module(x, layout=TokenLayout(1, (4, 4))).square().sum().backward()
+    for name, p in module.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name

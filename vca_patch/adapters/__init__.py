@@ -1,0 +1,36 @@
+"""Model-family adapters: where attention lives and how to rebuild each family."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .base import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite
+from .timm_vit import TimmViTAdapter
+
+ADAPTERS: dict[str, type[ModelAdapter]] = {TimmViTAdapter.name: TimmViTAdapter}
+
+
+def adapter_for(model: nn.Module) -> ModelAdapter | None:
+    """The first adapter that knows this model's family, or None."""
+    for adapter_cls in ADAPTERS.values():
+        if adapter_cls.applies_to(model):
+            return adapter_cls()
+    return None
+
+
+def adapter_by_name(name: str) -> ModelAdapter:
+    try:
+        return ADAPTERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown adapter {name!r}; known: {sorted(ADAPTERS)}") from None
+
+
+__all__ = [
+    "ADAPTERS",
+    "AttentionSite",
+    "LayoutTracker",
+    "ModelAdapter",
+    "SkippedSite",
+    "adapter_by_name",
+    "adapter_for",
+]

@@ -1,0 +1,105 @@
+"""What an adapter tells surgery about one model family."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ..attention import TokenLayout
+
+
+@dataclass
+class AttentionSite:
+    """A self-attention module that can be converted."""
+
+    path: str
+    module: nn.Module
+    layer_index: int
+    dim: int
+    num_heads: int
+    notes: list[str] = field(default_factory=list)  # what the conversion drops or changes
+
+    @property
+    def class_name(self) -> str:
+        return type(self.module).__name__
+
+
+@dataclass
+class SkippedSite:
+    """An attention-like module left untouched, and why."""
+
+    path: str
+    class_name: str
+    reason: str
+
+
+class LayoutTracker:
+    """Forward hook on a model's patch embedding that records the token layout of the current input.
+
+    A callable object rather than a closure, so `copy.deepcopy(model)` copies it along with the
+    modules that read it.
+    """
+
+    def __init__(self, num_prefix_tokens: int, adapter: ModelAdapter) -> None:
+        self.num_prefix_tokens = num_prefix_tokens
+        self.adapter = adapter
+        self.layout: TokenLayout | None = None
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.layout = TokenLayout(self.num_prefix_tokens, self.adapter.grid_from_embedding(module, args, output))
+
+    def current(self) -> TokenLayout:
+        if self.layout is None:
+            raise RuntimeError("no token layout yet: run the whole model (its patch embedding sets the grid)")
+        return self.layout
+
+
+class ModelAdapter(ABC):
+    """Knows one model family: where its attention is, its token layout, how to rebuild it."""
+
+    name: str
+
+    @classmethod
+    @abstractmethod
+    def applies_to(cls, model: nn.Module) -> bool: ...
+
+    @abstractmethod
+    def find_sites(self, model: nn.Module) -> tuple[list[AttentionSite], list[SkippedSite]]: ...
+
+    @abstractmethod
+    def num_prefix_tokens(self, model: nn.Module) -> int: ...
+
+    @abstractmethod
+    def embedding_module(self, model: nn.Module) -> nn.Module:
+        """The module whose forward fixes the grid of the current input."""
+
+    @abstractmethod
+    def grid_from_embedding(self, module: nn.Module, args: tuple, output: Any) -> tuple[int, int]: ...
+
+    @abstractmethod
+    def build(self, site: AttentionSite, config: Any) -> nn.Module:
+        """The replacement module for `site`, reusing its weights."""
+
+    @abstractmethod
+    def describe_base(self, model: nn.Module) -> dict[str, Any]:
+        """JSON-safe description from which `create_base` rebuilds the unpatched model."""
+
+    @classmethod
+    @abstractmethod
+    def create_base(cls, description: dict[str, Any]) -> nn.Module:
+        """Rebuild the unpatched architecture (random weights) from `describe_base`'s output."""
+
+    def install_layout_tracker(self, model: nn.Module) -> LayoutTracker:
+        tracker = LayoutTracker(self.num_prefix_tokens(model), self)
+        self.embedding_module(model).register_forward_hook(tracker)
+        return tracker
+
+    @staticmethod
+    def remove_layout_tracker(model: nn.Module) -> None:
+        for module in model.modules():
+            for key, hook in list(module._forward_hooks.items()):
+                if isinstance(hook, LayoutTracker):
+                    del module._forward_hooks[key]

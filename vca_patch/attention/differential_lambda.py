@@ -1,0 +1,64 @@
+"""The Differential-Transformer λ re-parameterisation used by both VCA stages."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def lambda_init_for_depth(layer_index: int) -> float:
+    """λ_init(l) = 0.8 − 0.6·exp(−0.3·l), with l the 0-based block index."""
+    return 0.8 - 0.6 * math.exp(-0.3 * layer_index)
+
+
+class DifferentialLambda(nn.Module):
+    """λ = exp(⟨λ_q1, λ_k1⟩) − exp(⟨λ_q2, λ_k2⟩) + λ_init: one scalar, computed in float32.
+
+    The four vectors have the head dimension and are shared by all heads.
+    """
+
+    def __init__(self, head_dim: int, lambda_init: float, device=None, dtype=None) -> None:
+        super().__init__()
+        self.lambda_init = lambda_init
+        self.q1 = nn.Parameter(torch.empty(head_dim, device=device, dtype=dtype))
+        self.k1 = nn.Parameter(torch.empty(head_dim, device=device, dtype=dtype))
+        self.q2 = nn.Parameter(torch.empty(head_dim, device=device, dtype=dtype))
+        self.k2 = nn.Parameter(torch.empty(head_dim, device=device, dtype=dtype))
+        self.reset_random()
+
+    def forward(self) -> torch.Tensor:
+        """λ as a 0-d tensor of at least float32 precision."""
+        dtype = torch.promote_types(self.q1.dtype, torch.float32)
+        q1, k1, q2, k2 = (p.to(dtype) for p in (self.q1, self.k1, self.q2, self.k2))
+        return torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + self.lambda_init
+
+    @torch.no_grad()
+    def reset_random(self, std: float = 0.1) -> None:
+        """The paper's init: every vector from N(0, std²)."""
+        for p in (self.q1, self.k1, self.q2, self.k2):
+            p.normal_(0.0, std)
+
+    @torch.no_grad()
+    def reset_to_zero_lambda(self, std: float = 0.1) -> None:
+        """Random non-zero vectors (so λ keeps a gradient) adjusted so that λ = 0.
+
+        Needs ⟨λ_q2, λ_k2⟩ = ln(exp⟨λ_q1, λ_k1⟩ + λ_init). λ_q2 is rescaled when that takes a
+        modest positive factor, else shifted along λ_k2 (the factor explodes near ⟨λ_q2, λ_k2⟩ = 0).
+        """
+        self.reset_random(std)
+        if self.q1.is_meta:
+            return
+        q1, k1, q2, k2 = (p.double() for p in (self.q1, self.k1, self.q2, self.k2))
+        target = math.log(math.exp(float(q1 @ k1)) + self.lambda_init)
+        current = float(q2 @ k2)
+        factor = target / current if current != 0.0 else math.inf
+        if 0.1 <= factor <= 10.0:
+            q2 = q2 * factor
+        else:
+            q2 = q2 + (target - current) * k2 / float(k2 @ k2)
+        self.q2.copy_(q2.to(self.q2.dtype))
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.q1.numel()}, lambda_init={self.lambda_init:.4f}"

@@ -1,0 +1,217 @@
+"""Visual-Contrast Attention (VCA; Pu et al., NeurIPS 2025, arXiv 2511.00833).
+
+Linear-cost attention through n pooled "contrast tokens" and a positive/negative differential:
+
+    t̃      = avgpool_{h×w}(q[patches])                        pooled queries        [B, n, C]
+    t±     = t̃ + e±                                           dual embeddings       [B, n, C]
+    v̂      = (1−λ_init)·RMSNorm₁(softmax(s t₊kᵀ)v − λ₁·softmax(s t₋kᵀ)v)   Stage I  [B, M, n, d]
+    o      = (1−λ_init)·RMSNorm₂((A₊ − λ₂·A₋)·v̂)               Stage II              [B, M, N, d]
+    y      = proj(merge_heads(o) + DWC₃ₓ₃(v[patches]))
+
+Prefix tokens (CLS, distillation, registers) are keys in Stage I and queries in Stage II but are
+never pooled and get no DWC term. Stage II uses one softmax over the 2n stacked tokens ("joint",
+the official code) or two separate softmaxes ("separate", the paper text). This module knows
+nothing about model libraries: adapters hand it q/k/v/proj and the token layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .differential_lambda import DifferentialLambda, lambda_init_for_depth
+from .layout import TokenLayout, grid_to_tokens, tokens_to_grid
+
+SoftmaxMode = Literal["joint", "separate"]
+InitMode = Literal["preserve", "paper"]
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.RMSNorm) -> torch.Tensor:
+    """RMSNorm computed in at least float32 (bf16/fp16 safe), returned in x's dtype."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    y = F.rms_norm(x.to(dtype), norm.normalized_shape, norm.weight.to(dtype), norm.eps)
+    return y.to(x.dtype)
+
+
+class VisualContrastAttention(nn.Module):
+    """Multi-head Visual-Contrast Attention over `num_prefix_tokens + H·W` tokens.
+
+    Args:
+        dim: input channels.
+        num_heads: heads M.
+        head_dim: per-head width d (default dim // num_heads).
+        dim_out: output channels (default dim).
+        contrast_grid: (h, w) of the pooled contrast tokens, n = h·w.
+        layer_index: 0-based block depth, sets λ_init = 0.8 − 0.6·exp(−0.3·layer_index).
+        softmax: Stage-II softmax, "joint" over the 2n tokens or "separate" per stream.
+        rms_eps: epsilon of both sub-layer RMSNorms.
+        qkv, proj: existing fused q/k/v and output projections to reuse (built fresh when None).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        head_dim: int | None = None,
+        dim_out: int | None = None,
+        qkv_bias: bool = True,
+        proj_bias: bool = True,
+        contrast_grid: tuple[int, int] = (7, 7),
+        layer_index: int = 0,
+        softmax: SoftmaxMode = "joint",
+        rms_eps: float = 1e-5,
+        proj_drop: float = 0.0,
+        qkv: nn.Linear | None = None,
+        proj: nn.Linear | None = None,
+    ) -> None:
+        super().__init__()
+        if head_dim is None:
+            if dim % num_heads:
+                raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+            head_dim = dim // num_heads
+        if softmax not in ("joint", "separate"):
+            raise ValueError(f"softmax must be 'joint' or 'separate', got {softmax!r}")
+        if min(contrast_grid) < 1:
+            raise ValueError(f"contrast_grid must be positive, got {contrast_grid}")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.attn_dim = attn_dim = num_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.contrast_grid = tuple(contrast_grid)
+        self.num_contrast_tokens = n = contrast_grid[0] * contrast_grid[1]
+        self.layer_index = layer_index
+        self.lambda_init = lambda_init_for_depth(layer_index)
+        self.softmax = softmax
+        # Token layout for calls that do not pass one (set by model surgery).
+        self.layout_source: Callable[[], TokenLayout] | None = None
+
+        # Carried over from softmax attention (adapters swap in the original modules).
+        self.qkv = qkv if qkv is not None else nn.Linear(dim, 3 * attn_dim, bias=qkv_bias)
+        self.q_norm: nn.Module = nn.Identity()
+        self.k_norm: nn.Module = nn.Identity()
+        self.norm: nn.Module = nn.Identity()  # optional norm before proj
+        self.gate: nn.Module | None = None  # optional sigmoid output gate, computed from x
+        self.proj = proj if proj is not None else nn.Linear(attn_dim, dim_out or dim, bias=proj_bias)
+        if self.qkv.out_features != 3 * attn_dim or self.proj.in_features != attn_dim:
+            raise ValueError(f"qkv/proj shapes do not fit {num_heads} heads of width {head_dim}")
+        self.proj_drop = nn.Dropout(proj_drop)
+
+        # New VCA parameters (2nC + 10d + 10C), on the device and dtype of the carried weights.
+        dd = {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}
+        self.contrast_embed_pos = nn.Parameter(torch.zeros(1, n, attn_dim, **dd))
+        self.contrast_embed_neg = nn.Parameter(torch.zeros(1, n, attn_dim, **dd))
+        self.lambda1 = DifferentialLambda(head_dim, self.lambda_init, **dd)
+        self.lambda2 = DifferentialLambda(head_dim, self.lambda_init, **dd)
+        self.stage1_norm = nn.RMSNorm(head_dim, eps=rms_eps, **dd)
+        self.stage2_norm = nn.RMSNorm(head_dim, eps=rms_eps, **dd)
+        self.dwc = nn.Conv2d(attn_dim, attn_dim, 3, padding=1, groups=attn_dim, **dd)
+        self.reset_vca_parameters("preserve")
+
+    @torch.no_grad()
+    def reset_vca_parameters(self, mode: InitMode = "preserve") -> None:
+        """Initialise the parameters VCA adds (never qkv/proj).
+
+        "paper": the from-scratch init (e± ~ N(0, 1), random λ vectors, default conv init).
+        "preserve": e± = 0, λ₁ = λ₂ = 0 with live vectors, zero DWC, unit norms; the layer starts
+        as an RMS-normalised pooled-query attention with the original q/k/v/proj.
+        """
+        self.stage1_norm.reset_parameters()
+        self.stage2_norm.reset_parameters()
+        if mode == "paper":
+            nn.init.normal_(self.contrast_embed_pos)
+            nn.init.normal_(self.contrast_embed_neg)
+            self.lambda1.reset_random()
+            self.lambda2.reset_random()
+            self.dwc.reset_parameters()
+        elif mode == "preserve":
+            self.contrast_embed_pos.zero_()
+            self.contrast_embed_neg.zero_()
+            self.lambda1.reset_to_zero_lambda()
+            self.lambda2.reset_to_zero_lambda()
+            self.dwc.weight.zero_()
+            self.dwc.bias.zero_()
+        else:
+            raise ValueError(f"init mode must be 'preserve' or 'paper', got {mode!r}")
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, M*d] -> [B, M, T, d]."""
+        B, T, _ = x.shape
+        return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def contrast_tokens(self, q: torch.Tensor, layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pooled patch queries plus e±, per head: two [B, M, n, d] tensors."""
+        pooled = F.adaptive_avg_pool2d(tokens_to_grid(q, layout), self.contrast_grid)  # [B, C, h, w]
+        pooled = grid_to_tokens(pooled)  # [B, n, C]
+        t_pos = pooled + self.contrast_embed_pos.to(pooled.dtype)
+        t_neg = pooled + self.contrast_embed_neg.to(pooled.dtype)
+        return self._split_heads(t_pos), self._split_heads(t_neg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        *,
+        layout: TokenLayout | None = None,
+    ) -> torch.Tensor:
+        """x: [B, N, dim] with N = prefix + H·W tokens -> [B, N, dim_out]."""
+        if attn_mask is not None or is_causal:
+            raise ValueError("VisualContrastAttention supports neither attention masks nor causal attention")
+        if layout is None:
+            if self.layout_source is None:
+                raise ValueError(
+                    "VisualContrastAttention needs the token layout: pass layout=TokenLayout(...) "
+                    "or patch the model with vca_patch.patch_model"
+                )
+            layout = self.layout_source()
+        B, N, _ = x.shape
+        layout.check(N)
+        n, P = self.num_contrast_tokens, layout.num_prefix_tokens
+
+        qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # [B, M, N, d] each
+        q, k = self.q_norm(q), self.k_norm(k)
+        t_pos, t_neg = self.contrast_tokens(q, layout)  # [B, M, n, d] each
+        contrast = torch.cat([t_pos, t_neg], dim=2)  # [B, M, 2n, d]
+        lambda1 = self.lambda1().to(q.dtype)
+        lambda2 = self.lambda2().to(q.dtype)
+
+        # Stage I: the 2n contrast tokens read all N tokens (prefix included): one SDPA call.
+        u_pos, u_neg = F.scaled_dot_product_attention(contrast, k, v, scale=self.scale).split(n, dim=2)
+        v_hat = (1 - self.lambda_init) * _rms_norm(u_pos - lambda1 * u_neg, self.stage1_norm)  # [B, M, n, d]
+
+        # Stage II: every token reads the contrast tokens.
+        if self.softmax == "joint":
+            # softmax over [t₊; t₋] with values [v̂; −λ₂v̂] equals (A₊ − λ₂A₋)·v̂.
+            o = F.scaled_dot_product_attention(q, contrast, torch.cat([v_hat, -lambda2 * v_hat], dim=2), scale=self.scale)
+        else:
+            o_pos = F.scaled_dot_product_attention(q, t_pos, v_hat, scale=self.scale)
+            o_neg = F.scaled_dot_product_attention(q, t_neg, v_hat, scale=self.scale)
+            o = o_pos - lambda2 * o_neg
+        o = (1 - self.lambda_init) * _rms_norm(o, self.stage2_norm)  # [B, M, N, d]
+        o = o.transpose(1, 2).reshape(B, N, self.attn_dim)
+
+        # Local term: depthwise 3×3 conv on the patch values; prefix rows get none.
+        local = grid_to_tokens(self.dwc(tokens_to_grid(v, layout)))  # [B, H*W, C]
+        o = torch.cat([o[:, :P], o[:, P:] + local], dim=1)
+
+        o = self.norm(o)
+        if self.gate is not None:
+            o = o * self.gate(x).sigmoid()
+        return self.proj_drop(self.proj(o))
+
+    @torch.no_grad()
+    def lambdas(self) -> tuple[float, float]:
+        """Current (λ₁, λ₂), for health traces (keep them in [0, 1))."""
+        return float(self.lambda1()), float(self.lambda2())
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, head_dim={self.head_dim}, contrast_grid={self.contrast_grid}, "
+            f"layer_index={self.layer_index}, lambda_init={self.lambda_init:.4f}, softmax={self.softmax!r}"
+        )

@@ -1,0 +1,24 @@
+"""Model surgery: walk, match, build, swap, report."""
+
+from .patch import (
+    NothingToPatchError,
+    PatchError,
+    PatchState,
+    get_patch_state,
+    patch_model,
+    patched_layers,
+    unpatch_model,
+)
+from .report import PatchedSite, PatchReport
+
+__all__ = [
+    "NothingToPatchError",
+    "PatchError",
+    "PatchReport",
+    "PatchState",
+    "PatchedSite",
+    "get_patch_state",
+    "patch_model",
+    "patched_layers",
+    "unpatch_model",
+]

@@ -1,0 +1,145 @@
+"""`patch_model` / `unpatch_model`: find attention, build VCA from its weights, swap in place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..adapters import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite, adapter_for
+from ..config import VCAConfig
+from .report import PatchedSite, PatchReport
+
+STATE_ATTR = "vca_patch_state"
+
+
+class PatchError(ValueError):
+    """The model cannot be patched as asked; nothing was changed."""
+
+
+class NothingToPatchError(PatchError):
+    """The model has no attention module that can be converted."""
+
+
+@dataclass
+class PatchState:
+    """Kept on a patched model (as `model.vca_patch_state`): enough to save, reload and undo."""
+
+    adapter: ModelAdapter
+    config: VCAConfig
+    report: PatchReport
+    tracker: LayoutTracker
+    originals: dict[str, nn.Module]
+
+
+def _count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def get_patch_state(model: nn.Module) -> PatchState | None:
+    return model.__dict__.get(STATE_ATTR)
+
+
+def _select(sites: list[AttentionSite], layers: list[int] | None) -> tuple[list[AttentionSite], list[SkippedSite]]:
+    if layers is None:
+        return sites, []
+    available = sorted({s.layer_index for s in sites})
+    missing = [i for i in layers if i not in available]
+    if missing:
+        raise PatchError(
+            f"layers {missing} are out of range: this model's attention blocks are "
+            f"{available[0]}..{available[-1]}" if available else f"layers {missing}: the model has no attention blocks"
+        )
+    chosen = [s for s in sites if s.layer_index in layers]
+    others = [SkippedSite(s.path, s.class_name, "not selected by config.layers") for s in sites if s not in chosen]
+    return chosen, others
+
+
+def _swap(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
+    parent_path, _, child = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    old = getattr(parent, child)
+    setattr(parent, child, new)
+    return old
+
+
+def patch_model(model: nn.Module, config: VCAConfig | None = None) -> PatchReport:
+    """Replace the model's softmax self-attention with Visual-Contrast Attention, in place.
+
+    Every replacement is built (from the original q/k/v/proj weights) before any is swapped in, so
+    an error leaves the model untouched. Returns a report of what was patched and what was skipped.
+    """
+    config = config or VCAConfig()
+    config.validate()
+    if get_patch_state(model) is not None:
+        raise PatchError("model is already patched; call vca_patch.unpatch_model(model) first")
+    adapter = adapter_for(model)
+    if adapter is None:
+        raise NothingToPatchError(
+            f"no adapter knows {type(model).__module__}.{type(model).__name__}; supported: timm ViT-family "
+            "models (VisionTransformer, DeiT, distilled DeiT, register ViTs)"
+        )
+    sites, skipped = adapter.find_sites(model)
+    if not sites:
+        listed = "; ".join(f"{s.path} [{s.class_name}]: {s.reason}" for s in skipped) or "none found"
+        raise NothingToPatchError(f"{type(model).__name__} has no attention module that can be converted ({listed})")
+    chosen, unselected = _select(sites, config.layers)
+    params_before = _count_params(model)
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        replacements = {site.path: adapter.build(site, config) for site in chosen}
+
+    tracker = adapter.install_layout_tracker(model)
+    originals: dict[str, nn.Module] = {}
+    try:
+        for path, new in replacements.items():
+            new.layout_source = tracker.current
+            originals[path] = _swap(model, path, new)
+    except BaseException:
+        for path, old in originals.items():
+            _swap(model, path, old)
+        adapter.remove_layout_tracker(model)
+        raise
+
+    patched = [
+        PatchedSite(
+            path=site.path,
+            original_class=site.class_name,
+            layer_index=site.layer_index,
+            dim=site.dim,
+            num_heads=site.num_heads,
+            contrast_tokens=config.contrast_tokens,
+            lambda_init=replacements[site.path].lambda_init,
+            params_added=_count_params(replacements[site.path]) - _count_params(site.module),
+            notes=site.notes,
+        )
+        for site in chosen
+    ]
+    report = PatchReport(adapter.name, patched, skipped + unselected, params_before, _count_params(model))
+    model.__dict__[STATE_ATTR] = PatchState(adapter, config, report, tracker, originals)
+    return report
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Put the original attention modules back (with the current q/k/v/proj weights) and drop VCA."""
+    state = get_patch_state(model)
+    if state is None:
+        raise PatchError("model is not patched by vca_patch")
+    for path, original in state.originals.items():
+        _swap(model, path, original)
+    state.adapter.remove_layout_tracker(model)
+    del model.__dict__[STATE_ATTR]
+    return model
+
+
+def patched_layers(model: nn.Module) -> dict[str, Any]:
+    """Per-layer map of a patched model: module path -> its patch record (JSON-safe)."""
+    state = get_patch_state(model)
+    if state is None:
+        raise PatchError("model is not patched by vca_patch")
+    return {s.path: {"layer_index": s.layer_index, "original_class": s.original_class,
+                     "contrast_tokens": s.contrast_tokens, "lambda_init": s.lambda_init}
+            for s in state.report.patched}

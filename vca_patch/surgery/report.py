@@ -1,0 +1,58 @@
+"""What a patch did: sites converted, sites left alone and why, parameters before and after."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..adapters import SkippedSite
+
+
+@dataclass
+class PatchedSite:
+    path: str
+    original_class: str
+    layer_index: int
+    dim: int
+    num_heads: int
+    contrast_tokens: int
+    lambda_init: float
+    params_added: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exact_carry_over(self) -> bool:
+        """True when every weight of the original module was carried over (nothing dropped)."""
+        return not self.notes
+
+
+@dataclass
+class PatchReport:
+    adapter: str
+    patched: list[PatchedSite]
+    skipped: list[SkippedSite]
+    params_before: int
+    params_after: int
+
+    @property
+    def params_added(self) -> int:
+        return self.params_after - self.params_before
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "adapter": self.adapter,
+            "patched": [asdict(s) for s in self.patched],
+            "skipped": [asdict(s) for s in self.skipped],
+            "params_before": self.params_before,
+            "params_after": self.params_after,
+        }
+
+    def __str__(self) -> str:
+        lines = [
+            f"VCA patch ({self.adapter}): {len(self.patched)} attention modules patched, "
+            f"{len(self.skipped)} skipped; parameters {self.params_before:,} -> {self.params_after:,} "
+            f"(+{self.params_added:,})"
+        ]
+        lines += [f"  patched {s.path} (block {s.layer_index}, n={s.contrast_tokens})" for s in self.patched]
+        lines += [f"  skipped {s.path} [{s.class_name}]: {s.reason}" for s in self.skipped]
+        return "\n".join(lines)
