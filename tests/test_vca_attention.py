@@ -22,9 +22,7 @@ GRIDS = [(6, 6), (5, 8), (7, 3)]
 @pytest.mark.parametrize("num_prefix", [0, 1, 2, 5])
 @pytest.mark.parametrize("grid", GRIDS)
 def test_matches_float64_reference(softmax, num_prefix, grid):
-    module = _randomised(
-        VisualContrastAttention(24, 3, contrast_grid=(2, 3), layer_index=4, softmax=softmax)
-    ).double()
+    module = _randomised(VisualContrastAttention(24, 3, contrast_grid=(2, 3), layer_index=4, softmax=softmax)).double()
     x = torch.randn(2, num_prefix + grid[0] * grid[1], 24, dtype=torch.float64)
     lam1, lam2 = module.lambdas()
     assert abs(lam1) > 1e-3 and abs(lam2) > 1e-3

@@ -1,4 +1,4 @@
-"""`VCAConfig`: what to patch and how, as a dataclass that round-trips through JSON."""
+"""Target configurations: what to patch and with which attention, as JSON-round-tripping dataclasses."""
 
 from __future__ import annotations
 
@@ -8,13 +8,85 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from torch import nn
+
+from .attention import CarriedAttention, VisualContrastAttention
+
 
 class ConfigError(ValueError):
     """A configuration value or key is invalid."""
 
 
+CONFIG_TYPES: dict[str, type[TargetConfig]] = {}
+
+
 @dataclass
-class VCAConfig:
+class TargetConfig:
+    """Base of every target attention's config: layer selection, seed, JSON round trip.
+
+    Subclasses set `target`, add their fields, and implement `build_layer` / `layer_settings`.
+    """
+
+    target: ClassVar[str] = ""
+
+    layers: list[int] | None = field(default=None, kw_only=True)
+    seed: int = field(default=0, kw_only=True)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.target:
+            CONFIG_TYPES[cls.target] = cls
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.layers is not None:
+            if not isinstance(self.layers, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers
+            ):
+                raise ConfigError(f"layers must be a list of non-negative block indices or None, got {self.layers!r}")
+            self.layers = sorted(set(self.layers))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+
+    def build_layer(self, carried: CarriedAttention, layer_index: int) -> nn.Module:
+        """The replacement for one attention module, reusing `carried` and initialised."""
+        raise NotImplementedError
+
+    def layer_settings(self, layer: nn.Module) -> dict[str, Any]:
+        """JSON-safe per-layer facts recorded in reports and checkpoints."""
+        return {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target": self.target, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TargetConfig:
+        """Build the config named by data["target"] (or this class's), rejecting unknown keys."""
+        data = dict(data)
+        target = data.pop("target", cls.target)
+        config_cls = CONFIG_TYPES.get(target)
+        if config_cls is None:
+            raise ConfigError(f"unknown target {target!r}; known: {sorted(CONFIG_TYPES)}")
+        if cls.target and config_cls is not cls:
+            raise ConfigError(f"config is for target {target!r}, not {cls.target!r}")
+        known = {f.name for f in dataclasses.fields(config_cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown {config_cls.__name__} keys {unknown}; valid keys: {sorted(known)}")
+        return config_cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> TargetConfig:
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass
+class VCAConfig(TargetConfig):
     """Configuration of a Visual-Contrast Attention patch.
 
     Attributes:
@@ -22,8 +94,8 @@ class VCAConfig:
         softmax: Stage-II softmax, "joint" (official code) or "separate" (paper text).
         init: "preserve" (carry q/k/v/proj, function-preserving new parameters) or "paper"
             (the paper's from-scratch init of the new parameters).
-        layers: 0-based block indices to patch; None patches every attention block.
         rms_eps: epsilon of the two sub-layer RMSNorms.
+        layers: 0-based block indices to patch; None patches every attention block.
         seed: seed of the random parts of the init (λ vectors; e± and DWC in "paper" mode).
     """
 
@@ -32,12 +104,7 @@ class VCAConfig:
     contrast_tokens: int = 49
     softmax: str = "joint"
     init: str = "preserve"
-    layers: list[int] | None = field(default=None)
     rms_eps: float = 1e-5
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        self.validate()
 
     @property
     def contrast_grid(self) -> tuple[int, int]:
@@ -45,6 +112,7 @@ class VCAConfig:
         return side, side
 
     def validate(self) -> None:
+        super().validate()
         n = self.contrast_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1 or math.isqrt(n) ** 2 != n:
             raise ConfigError(f"contrast_tokens must be a positive perfect square (4, 16, 49, ...), got {n!r}")
@@ -52,33 +120,19 @@ class VCAConfig:
             raise ConfigError(f"softmax must be 'joint' or 'separate', got {self.softmax!r}")
         if self.init not in ("preserve", "paper"):
             raise ConfigError(f"init must be 'preserve' or 'paper', got {self.init!r}")
-        if self.layers is not None:
-            if not isinstance(self.layers, (list, tuple)) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers
-            ):
-                raise ConfigError(f"layers must be a list of non-negative block indices or None, got {self.layers!r}")
-            self.layers = sorted(set(self.layers))
-        if not isinstance(self.rms_eps, (int, float)) or not self.rms_eps > 0:
+        if isinstance(self.rms_eps, bool) or not isinstance(self.rms_eps, (int, float)) or not self.rms_eps > 0:
             raise ConfigError(f"rms_eps must be a positive number, got {self.rms_eps!r}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"target": self.target, **dataclasses.asdict(self)}
+    def build_layer(self, carried: CarriedAttention, layer_index: int) -> VisualContrastAttention:
+        vca = VisualContrastAttention.from_carried(
+            carried,
+            contrast_grid=self.contrast_grid,
+            layer_index=layer_index,
+            softmax=self.softmax,
+            rms_eps=self.rms_eps,
+        )
+        vca.reset_vca_parameters(self.init)
+        return vca
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> VCAConfig:
-        data = dict(data)
-        target = data.pop("target", cls.target)
-        if target != cls.target:
-            raise ConfigError(f"config is for target {target!r}, not {cls.target!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown VCAConfig keys {unknown}; valid keys: {sorted(known)}")
-        return cls(**data)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    @classmethod
-    def from_json(cls, text: str) -> VCAConfig:
-        return cls.from_dict(json.loads(text))
+    def layer_settings(self, layer: VisualContrastAttention) -> dict[str, Any]:
+        return {"contrast_tokens": layer.num_contrast_tokens, "lambda_init": layer.lambda_init}

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from ..attention import TokenLayout
+from ..attention import CarriedAttention, TokenLayout
 
 
 @dataclass
@@ -80,8 +80,8 @@ class ModelAdapter(ABC):
     def grid_from_embedding(self, module: nn.Module, args: tuple, output: Any) -> tuple[int, int]: ...
 
     @abstractmethod
-    def build(self, site: AttentionSite, config: Any) -> nn.Module:
-        """The replacement module for `site`, reusing its weights."""
+    def carry(self, site: AttentionSite) -> CarriedAttention:
+        """The site's q/k/v/proj (and norms, gate, dropout) for a replacement to reuse."""
 
     @abstractmethod
     def describe_base(self, model: nn.Module) -> dict[str, Any]:

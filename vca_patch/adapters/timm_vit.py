@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from ..attention import VisualContrastAttention
+from ..attention import CarriedAttention
 from .base import AttentionSite, ModelAdapter, SkippedSite
 
 _BLOCK_INDEX = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
@@ -79,23 +79,19 @@ class TimmViTAdapter(ModelAdapter):
             raise RuntimeError(f"patch embedding gave {output.shape[1]} tokens, expected a {grid[0]}x{grid[1]} grid")
         return int(grid[0]), int(grid[1])
 
-    def build(self, site: AttentionSite, config: Any) -> nn.Module:
+    def carry(self, site: AttentionSite) -> CarriedAttention:
         attn = site.module
-        vca = VisualContrastAttention(
-            attn.qkv.in_features,
-            attn.num_heads,
-            head_dim=attn.head_dim,
-            contrast_grid=config.contrast_grid,
-            layer_index=site.layer_index,
-            softmax=config.softmax,
-            rms_eps=config.rms_eps,
+        return CarriedAttention(
             qkv=attn.qkv,
             proj=attn.proj,
+            num_heads=attn.num_heads,
+            head_dim=attn.head_dim,
+            q_norm=attn.q_norm,
+            k_norm=attn.k_norm,
+            norm=attn.norm,
+            gate=attn.gate,
+            proj_drop=attn.proj_drop,
         )
-        vca.q_norm, vca.k_norm, vca.norm, vca.proj_drop = attn.q_norm, attn.k_norm, attn.norm, attn.proj_drop
-        vca.gate = attn.gate
-        vca.reset_vca_parameters(config.init)
-        return vca
 
     def describe_base(self, model: nn.Module) -> dict[str, Any]:
         cfg = dict(getattr(model, "pretrained_cfg", None) or {})

@@ -1,7 +1,8 @@
 """Attention math, independent of any model library."""
 
+from .carried import CarriedAttention
 from .differential_lambda import DifferentialLambda, lambda_init_for_depth
 from .layout import TokenLayout
 from .vca import VisualContrastAttention
 
-__all__ = ["DifferentialLambda", "TokenLayout", "VisualContrastAttention", "lambda_init_for_depth"]
+__all__ = ["CarriedAttention", "DifferentialLambda", "TokenLayout", "VisualContrastAttention", "lambda_init_for_depth"]

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .carried import CarriedAttention
 from .differential_lambda import DifferentialLambda, lambda_init_for_depth
 from .layout import TokenLayout, grid_to_tokens, tokens_to_grid
 
@@ -112,6 +113,16 @@ class VisualContrastAttention(nn.Module):
         self.dwc = nn.Conv2d(attn_dim, attn_dim, 3, padding=1, groups=attn_dim, **dd)
         self.reset_vca_parameters("preserve")
 
+    @classmethod
+    def from_carried(cls, carried: CarriedAttention, **kwargs) -> VisualContrastAttention:
+        """VCA reusing an attention module's q/k/v/proj (and norms, gate, dropout) as they are."""
+        vca = cls(
+            carried.dim, carried.num_heads, head_dim=carried.head_dim, qkv=carried.qkv, proj=carried.proj, **kwargs
+        )
+        vca.q_norm, vca.k_norm, vca.norm = carried.q_norm, carried.k_norm, carried.norm
+        vca.gate, vca.proj_drop = carried.gate, carried.proj_drop
+        return vca
+
     @torch.no_grad()
     def reset_vca_parameters(self, mode: InitMode = "preserve") -> None:
         """Initialise the parameters VCA adds (never qkv/proj).
@@ -188,7 +199,9 @@ class VisualContrastAttention(nn.Module):
         # Stage II: every token reads the contrast tokens.
         if self.softmax == "joint":
             # softmax over [t₊; t₋] with values [v̂; −λ₂v̂] equals (A₊ − λ₂A₋)·v̂.
-            o = F.scaled_dot_product_attention(q, contrast, torch.cat([v_hat, -lambda2 * v_hat], dim=2), scale=self.scale)
+            o = F.scaled_dot_product_attention(
+                q, contrast, torch.cat([v_hat, -lambda2 * v_hat], dim=2), scale=self.scale
+            )
         else:
             o_pos = F.scaled_dot_product_attention(q, t_pos, v_hat, scale=self.scale)
             o_neg = F.scaled_dot_product_attention(q, t_neg, v_hat, scale=self.scale)

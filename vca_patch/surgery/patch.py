@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..adapters import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite, adapter_for
-from ..config import VCAConfig
+from ..config import TargetConfig, VCAConfig
 from .report import PatchedSite, PatchReport
 
 STATE_ATTR = "vca_patch_state"
@@ -28,7 +28,7 @@ class PatchState:
     """Kept on a patched model (as `model.vca_patch_state`): enough to save, reload and undo."""
 
     adapter: ModelAdapter
-    config: VCAConfig
+    config: TargetConfig
     report: PatchReport
     tracker: LayoutTracker
     originals: dict[str, nn.Module]
@@ -49,8 +49,9 @@ def _select(sites: list[AttentionSite], layers: list[int] | None) -> tuple[list[
     missing = [i for i in layers if i not in available]
     if missing:
         raise PatchError(
-            f"layers {missing} are out of range: this model's attention blocks are "
-            f"{available[0]}..{available[-1]}" if available else f"layers {missing}: the model has no attention blocks"
+            f"layers {missing} are out of range: this model's attention blocks are {available[0]}..{available[-1]}"
+            if available
+            else f"layers {missing}: the model has no attention blocks"
         )
     chosen = [s for s in sites if s.layer_index in layers]
     others = [SkippedSite(s.path, s.class_name, "not selected by config.layers") for s in sites if s not in chosen]
@@ -65,8 +66,8 @@ def _swap(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
     return old
 
 
-def patch_model(model: nn.Module, config: VCAConfig | None = None) -> PatchReport:
-    """Replace the model's softmax self-attention with Visual-Contrast Attention, in place.
+def patch_model(model: nn.Module, config: TargetConfig | None = None) -> PatchReport:
+    """Replace the model's softmax self-attention with `config`'s target (default VCA), in place.
 
     Every replacement is built (from the original q/k/v/proj weights) before any is swapped in, so
     an error leaves the model untouched. Returns a report of what was patched and what was skipped.
@@ -90,7 +91,7 @@ def patch_model(model: nn.Module, config: VCAConfig | None = None) -> PatchRepor
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        replacements = {site.path: adapter.build(site, config) for site in chosen}
+        replacements = {site.path: config.build_layer(adapter.carry(site), site.layer_index) for site in chosen}
 
     tracker = adapter.install_layout_tracker(model)
     originals: dict[str, nn.Module] = {}
@@ -111,8 +112,7 @@ def patch_model(model: nn.Module, config: VCAConfig | None = None) -> PatchRepor
             layer_index=site.layer_index,
             dim=site.dim,
             num_heads=site.num_heads,
-            contrast_tokens=config.contrast_tokens,
-            lambda_init=replacements[site.path].lambda_init,
+            settings=config.layer_settings(replacements[site.path]),
             params_added=_count_params(replacements[site.path]) - _count_params(site.module),
             notes=site.notes,
         )
@@ -140,6 +140,7 @@ def patched_layers(model: nn.Module) -> dict[str, Any]:
     state = get_patch_state(model)
     if state is None:
         raise PatchError("model is not patched by vca_patch")
-    return {s.path: {"layer_index": s.layer_index, "original_class": s.original_class,
-                     "contrast_tokens": s.contrast_tokens, "lambda_init": s.lambda_init}
-            for s in state.report.patched}
+    return {
+        s.path: {"layer_index": s.layer_index, "original_class": s.original_class, **s.settings}
+        for s in state.report.patched
+    }

@@ -15,8 +15,7 @@ class PatchedSite:
     layer_index: int
     dim: int
     num_heads: int
-    contrast_tokens: int
-    lambda_init: float
+    settings: dict[str, Any]  # the target's per-layer settings (JSON-safe), e.g. contrast tokens
     params_added: int
     notes: list[str] = field(default_factory=list)
 
@@ -53,6 +52,6 @@ class PatchReport:
             f"{len(self.skipped)} skipped; parameters {self.params_before:,} -> {self.params_after:,} "
             f"(+{self.params_added:,})"
         ]
-        lines += [f"  patched {s.path} (block {s.layer_index}, n={s.contrast_tokens})" for s in self.patched]
+        lines += [f"  patched {s.path} (block {s.layer_index}, {s.settings})" for s in self.patched]
         lines += [f"  skipped {s.path} [{s.class_name}]: {s.reason}" for s in self.skipped]
         return "\n".join(lines)

@@ -1,0 +1,21 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   install, then convert deit_tiny to VCA (offline: random weights)
+#   make test   install, then run the test suite offline
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+
+.PHONY: install demo test lint
+
+install:
+	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
+	$(PIP) install -q -e '.[dev]'
+
+demo: install
+	HF_HUB_OFFLINE=1 vca-patch convert deit_tiny_patch16_224 --no-pretrained --output out/deit_tiny_vca --force
+
+test: install
+	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest
+
+lint:
+	ruff check vca_patch tests
+	ruff format --check vca_patch tests

@@ -1,0 +1,24 @@
+"""vca-patch: convert pretrained vision transformers to Visual-Contrast Attention."""
+
+__version__ = "0.1.0"
+
+from .attention import TokenLayout, VisualContrastAttention
+from .config import ConfigError, TargetConfig, VCAConfig
+from .io import from_pretrained, save_pretrained
+from .surgery import NothingToPatchError, PatchError, PatchReport, patch_model, unpatch_model
+
+__all__ = [
+    "ConfigError",
+    "NothingToPatchError",
+    "PatchError",
+    "PatchReport",
+    "TargetConfig",
+    "TokenLayout",
+    "VCAConfig",
+    "VisualContrastAttention",
+    "__version__",
+    "from_pretrained",
+    "patch_model",
+    "save_pretrained",
+    "unpatch_model",
+]

@@ -1,0 +1,3 @@
+from vca_patch.cli import main
+
+main()

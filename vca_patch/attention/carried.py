@@ -1,0 +1,29 @@
+"""The pieces of a softmax self-attention module that a linear-attention replacement reuses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass
+class CarriedAttention:
+    """Library-neutral view of one attention module's weights (the modules themselves, not copies).
+
+    `qkv` is fused: output channels ordered (q | k | v), each as (head, head_dim).
+    """
+
+    qkv: nn.Linear
+    proj: nn.Linear
+    num_heads: int
+    head_dim: int
+    q_norm: nn.Module = field(default_factory=nn.Identity)  # per head, on [.., head_dim]
+    k_norm: nn.Module = field(default_factory=nn.Identity)
+    norm: nn.Module = field(default_factory=nn.Identity)  # on merged heads, before proj
+    gate: nn.Module | None = None  # sigmoid output gate computed from the block input
+    proj_drop: nn.Module = field(default_factory=nn.Identity)
+
+    @property
+    def dim(self) -> int:
+        return self.qkv.in_features

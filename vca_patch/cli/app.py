@@ -1,0 +1,28 @@
+"""Typer application: one sub-command per module in this package."""
+
+from __future__ import annotations
+
+import typer
+
+from .convert import convert
+
+app = typer.Typer(
+    name="vca-patch",
+    help="Convert pretrained vision transformers to Visual-Contrast Attention (VCA).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command()(convert)
+
+
+@app.command()
+def version() -> None:
+    """Print the vca-patch version."""
+    from .. import __version__
+
+    typer.echo(__version__)
+
+
+def main() -> None:
+    app()

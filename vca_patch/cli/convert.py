@@ -1,0 +1,107 @@
+"""`vca-patch convert`: build a model, patch it with VCA, measure it, save it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+from rich.table import Table
+
+from ..config import ConfigError, VCAConfig
+from ..fidelity import compare_outputs, probe_batch
+from ..io import (
+    HubUnavailableError,
+    OutputExistsError,
+    UnknownModelError,
+    WeightsMismatchError,
+    load_base_model,
+    save_pretrained,
+)
+from ..io.atomic import check_output_dir
+from ..surgery import PatchError, PatchReport, patch_model
+from .common import console, fail, parse_layers
+
+
+def _report_tables(report: PatchReport, probe: dict[str, float]) -> list[Table]:
+    sites = Table(title="Attention sites", title_justify="left")
+    for column in ("module", "original", "block", "heads", "n", "λ_init", "+params", "action"):
+        sites.add_column(column, justify="right" if column in ("block", "heads", "n", "+params") else "left")
+    for s in report.patched:
+        action = "[green]patched[/]" + (f" ({'; '.join(s.notes)})" if s.notes else "")
+        sites.add_row(
+            s.path,
+            s.original_class,
+            str(s.layer_index),
+            str(s.num_heads),
+            str(s.settings.get("contrast_tokens", "")),
+            f"{s.settings.get('lambda_init', float('nan')):.3f}",
+            f"{s.params_added:,}",
+            action,
+        )
+    for s in report.skipped:
+        sites.add_row(s.path, s.class_name, "", "", "", "", "", f"[yellow]skipped[/]: {s.reason}")
+
+    summary = Table(title="Summary", title_justify="left", show_header=False)
+    summary.add_column(style="bold")
+    summary.add_column(justify="right")
+    summary.add_row("sites patched / skipped", f"{len(report.patched)} / {len(report.skipped)}")
+    summary.add_row("parameters before", f"{report.params_before:,}")
+    summary.add_row("parameters after", f"{report.params_after:,} (+{report.params_added / 1e6:.3f} M)")
+    summary.add_row("probe: output cosine to original", f"{probe['cosine']:.4f}")
+    summary.add_row("probe: relative error", f"{probe['relative_error']:.4f}")
+    if "top1_agreement" in probe:
+        summary.add_row("probe: top-1 agreement", f"{probe['top1_agreement']:.2%}")
+    return [sites, summary]
+
+
+def convert(
+    model: Annotated[str, typer.Argument(help="timm model name (e.g. deit_tiny_patch16_224) or hf-hub:ORG/NAME")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write the converted checkpoint to")],
+    pretrained: Annotated[
+        bool, typer.Option(help="Start from pretrained Hub weights (--no-pretrained: random)")
+    ] = True,
+    weights: Annotated[
+        Path | None, typer.Option(help="Local weights (.safetensors/.pth) for MODEL instead of the Hub's")
+    ] = None,
+    layers: Annotated[str | None, typer.Option(help="Blocks to convert, e.g. '0-5,8' (default: all)")] = None,
+    contrast_tokens: Annotated[int, typer.Option(help="Pooled contrast tokens n (a perfect square)")] = 49,
+    softmax: Annotated[str, typer.Option(help="Stage-II softmax: joint or separate")] = "joint",
+    init: Annotated[str, typer.Option(help="preserve (function-preserving) or paper (from scratch)")] = "preserve",
+    probe_size: Annotated[int, typer.Option(help="Images in the probe batch that measures the change")] = 4,
+    seed: Annotated[int, typer.Option(help="Seed of the random parts of the init and of the probe batch")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite a non-empty output folder")] = False,
+) -> None:
+    """Convert MODEL's softmax attention to VCA and save it to --output."""
+    try:
+        check_output_dir(output, overwrite=force)
+        config = VCAConfig(
+            contrast_tokens=contrast_tokens, softmax=softmax, init=init, layers=parse_layers(layers), seed=seed
+        )
+    except (OutputExistsError, ConfigError) as exc:
+        fail(str(exc), 2)
+    if weights is not None and not weights.is_file():
+        fail(f"weights file {weights} does not exist", 2)
+
+    base_weights = "local file" if weights else ("pretrained" if pretrained else "random")
+    with console.status(f"Building {model} ({base_weights} weights)..."):
+        try:
+            net = load_base_model(model, pretrained=pretrained, weights=weights).eval()
+        except (UnknownModelError, HubUnavailableError, WeightsMismatchError) as exc:
+            fail(str(exc))
+    probe = probe_batch(net, probe_size, seed)
+    with console.status("Patching and probing..."), torch.no_grad():
+        reference = net(probe)
+        try:
+            report = patch_model(net, config)
+        except PatchError as exc:
+            fail(str(exc))
+        metrics = compare_outputs(reference, net(probe))
+    with console.status(f"Saving to {output}..."):
+        save_pretrained(
+            net, output, overwrite=force, metadata={"base_weights": base_weights, "model_name": model, "probe": metrics}
+        )
+    for table in _report_tables(report, metrics):
+        console.print(table)
+    console.print(f"[bold green]Saved[/] {output}/ (model.safetensors, config.json, README.md)")

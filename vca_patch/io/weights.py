@@ -1,0 +1,58 @@
+"""Reading weight files into a model, with errors that name the keys that do not fit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class WeightsMismatchError(ValueError):
+    """A state dict does not fit the model."""
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors from a .safetensors file, or a .pt/.pth/.bin torch checkpoint (loaded weights-only)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file {path} does not exist")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    for key in ("state_dict", "model", "model_ema"):
+        if isinstance(data, dict) and isinstance(data.get(key), dict):
+            data = data[key]
+            break
+    if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
+        raise WeightsMismatchError(f"{path} does not hold a state dict of tensors")
+    return data
+
+
+def _listing(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def load_state_dict_checked(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
+    """Load strictly; on mismatch raise one error listing missing, unexpected and mis-shaped keys."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    shapes = [
+        f"{k} {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)
+    ]
+    if missing or unexpected or shapes:
+        parts = [f"weights from {source} do not fit {type(model).__name__}:"]
+        if missing:
+            parts.append(f"missing keys: {_listing(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys: {_listing(unexpected)}")
+        if shapes:
+            parts.append(f"shape mismatches: {_listing(shapes)}")
+        raise WeightsMismatchError("\n  ".join(parts))
+    model.load_state_dict(state_dict, strict=True)
