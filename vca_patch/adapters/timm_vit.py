@@ -12,7 +12,7 @@ from .base import AttentionSite, ModelAdapter, SkippedSite
 
 _BLOCK_INDEX = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
 # Constructor arguments recorded so the same base model can be rebuilt.
-_RECORDED_ARGS = ("num_classes", "global_pool", "img_size", "in_chans", "dynamic_img_size", "dynamic_img_pad")
+_RECORDED_ARGS = ("num_classes", "global_pool", "dynamic_img_size")
 
 
 def _timm_attention_class() -> type[nn.Module]:
@@ -95,13 +95,10 @@ class TimmViTAdapter(ModelAdapter):
 
     def describe_base(self, model: nn.Module) -> dict[str, Any]:
         cfg = dict(getattr(model, "pretrained_cfg", None) or {})
-        args: dict[str, Any] = {}
-        for key in _RECORDED_ARGS:
-            if key in ("img_size", "in_chans"):
-                continue
-            if hasattr(model, key):
-                args[key] = getattr(model, key)
+        args = {key: getattr(model, key) for key in _RECORDED_ARGS if hasattr(model, key)}
         embed = model.patch_embed
+        if getattr(embed, "dynamic_img_pad", False):
+            args["dynamic_img_pad"] = True
         if getattr(embed, "img_size", None) is not None:
             args["img_size"] = list(embed.img_size)
         if hasattr(embed, "proj") and hasattr(embed.proj, "in_channels"):

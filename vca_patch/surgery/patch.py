@@ -54,7 +54,7 @@ def _select(sites: list[AttentionSite], layers: list[int] | None) -> tuple[list[
             else f"layers {missing}: the model has no attention blocks"
         )
     chosen = [s for s in sites if s.layer_index in layers]
-    others = [SkippedSite(s.path, s.class_name, "not selected by config.layers") for s in sites if s not in chosen]
+    others = [SkippedSite(s.path, s.class_name, "not in config.layers") for s in sites if s not in chosen]
     return chosen, others
 
 
