@@ -8,6 +8,10 @@ from typing import Any
 from ..adapters import SkippedSite
 
 
+def _settings_text(settings: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in settings.items())
+
+
 @dataclass
 class PatchedSite:
     path: str
@@ -52,6 +56,6 @@ class PatchReport:
             f"{len(self.skipped)} skipped; parameters {self.params_before:,} -> {self.params_after:,} "
             f"(+{self.params_added:,})"
         ]
-        lines += [f"  patched {s.path} (block {s.layer_index}, {s.settings})" for s in self.patched]
+        lines += [f"  patched {s.path} (block {s.layer_index}, {_settings_text(s.settings)})" for s in self.patched]
         lines += [f"  skipped {s.path} [{s.class_name}]: {s.reason}" for s in self.skipped]
         return "\n".join(lines)
