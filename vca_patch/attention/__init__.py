@@ -3,6 +3,14 @@
 from .carried import CarriedAttention
 from .differential_lambda import DifferentialLambda, lambda_init_for_depth
 from .layout import TokenLayout
+from .mano import MultipoleAttention
 from .vca import VisualContrastAttention
 
-__all__ = ["CarriedAttention", "DifferentialLambda", "TokenLayout", "VisualContrastAttention", "lambda_init_for_depth"]
+__all__ = [
+    "CarriedAttention",
+    "DifferentialLambda",
+    "MultipoleAttention",
+    "TokenLayout",
+    "VisualContrastAttention",
+    "lambda_init_for_depth",
+]

@@ -1,0 +1,282 @@
+"""Multipole Attention (MANO; Colagrande et al., arXiv 2507.02748, ICCV 2025 Workshops).
+
+Windowed softmax attention at several resolutions of the patch grid, combined in a V-cycle:
+
+    X⁰ = grid(x),  X^ℓ = D(X^{ℓ−1})                       coarsened level inputs      [B, C, H_ℓ, W_ℓ]
+    Y^ℓ = WA(X^ℓ)                                          shared windowed attention   [B, C', H_ℓ, W_ℓ]
+    Z^{L−1} = Y^{L−1},  Z^ℓ = Y^ℓ + w_ℓ·U(Z^{ℓ+1}),  w_ℓ = 1/(L−1−ℓ)                   output Z⁰
+
+WA is the original attention's q/k/v/proj applied to k×k windows (one SDPA call per level, batched
+over batch, heads and windows). D is a shared r×r stride-r conv or average pool, U a shared
+transposed conv or nearest upsampling (with a learnable per-channel gain γ on the coarse
+correction). Levels divide any H×W grid with ceiling division; where a window does not tile a
+level the level is zero-padded and the padded keys are masked out of the softmax, padded queries
+cropped. Prefix tokens (CLS, distillation, registers), docs/mano.md §5.5 option A ("global"):
+prefix queries attend to every token exactly; level-0 grid queries attend to their window keys
+plus the prefix keys in one softmax; coarse levels see grid tokens only. "separate" (option B)
+keeps grid queries away from the prefix keys. With U = 0 (or γ = 0) the layer is exactly the
+original attention restricted to level-0 windows; with a window covering the grid it is exactly
+the original attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .carried import CarriedAttention
+from .layout import TokenLayout, grid_to_tokens
+from .multipole_levels import Level, plan_levels, vcycle_weights
+from .windows import pad_grid, window_key_mask, window_merge, window_partition
+
+DownMode = Literal["conv", "avg"]
+UpMode = Literal["conv", "nearest"]
+PrefixMode = Literal["global", "separate"]
+InitMode = Literal["preserve", "multipole", "random"]
+
+
+class MultipoleAttention(nn.Module):
+    """Multi-head Multipole Attention over `num_prefix_tokens + H·W` tokens.
+
+    Args:
+        dim: input channels C.
+        num_heads: heads M.
+        head_dim: per-head width d (default dim // num_heads).
+        dim_out: output channels C' (default dim).
+        window: window side k (clipped to a level's side where the side is smaller).
+        rate: coarsening factor r ≥ 2 of D and U.
+        levels: number of levels L, or None to pick per grid the fewest whose coarsest grid fits one window.
+        down: "conv" (shared Conv2d(C, C, r, stride r, no bias)) or "avg" (r×r average pool).
+        up: "conv" (shared ConvTranspose2d(C', C', r, stride r, no bias)) or "nearest" (with gain γ ∈ R^C').
+        prefix: "global" (prefix keys join every level-0 window) or "separate" (grid never sees them).
+        pad: pad levels that the rate/window do not divide (False: raise instead).
+        qkv, proj: existing fused q/k/v and output projections to reuse (built fresh when None).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        head_dim: int | None = None,
+        dim_out: int | None = None,
+        qkv_bias: bool = True,
+        proj_bias: bool = True,
+        window: int = 7,
+        rate: int = 2,
+        levels: int | None = None,
+        down: DownMode = "conv",
+        up: UpMode = "conv",
+        prefix: PrefixMode = "global",
+        pad: bool = True,
+        proj_drop: float = 0.0,
+        qkv: nn.Linear | None = None,
+        proj: nn.Linear | None = None,
+    ) -> None:
+        super().__init__()
+        if head_dim is None:
+            if dim % num_heads:
+                raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+            head_dim = dim // num_heads
+        if down not in ("conv", "avg"):
+            raise ValueError(f"down must be 'conv' or 'avg', got {down!r}")
+        if up not in ("conv", "nearest"):
+            raise ValueError(f"up must be 'conv' or 'nearest', got {up!r}")
+        if prefix not in ("global", "separate"):
+            raise ValueError(f"prefix must be 'global' or 'separate', got {prefix!r}")
+        plan_levels((1, 1), window, rate, None)  # validates window and rate
+        if levels is not None and levels < 1:
+            raise ValueError(f"levels must be ≥ 1 or None (auto), got {levels}")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.attn_dim = attn_dim = num_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.window, self.rate, self.levels = window, rate, levels
+        self.down_mode, self.up_mode, self.prefix, self.pad = down, up, prefix, pad
+        # Token layout for calls that do not pass one (set by model surgery).
+        self.layout_source: Callable[[], TokenLayout] | None = None
+
+        # Carried over from softmax attention (adapters swap in the original modules).
+        self.qkv = qkv if qkv is not None else nn.Linear(dim, 3 * attn_dim, bias=qkv_bias)
+        self.q_norm: nn.Module = nn.Identity()
+        self.k_norm: nn.Module = nn.Identity()
+        self.norm: nn.Module = nn.Identity()  # optional norm before proj
+        self.gate: nn.Module | None = None  # optional sigmoid output gate, computed from each level's input
+        self.proj = proj if proj is not None else nn.Linear(attn_dim, dim_out or dim, bias=proj_bias)
+        if self.qkv.out_features != 3 * attn_dim or self.proj.in_features != attn_dim:
+            raise ValueError(f"qkv/proj shapes do not fit {num_heads} heads of width {head_dim}")
+        self.proj_drop = nn.Dropout(proj_drop)
+
+        # New MANO parameters, on the device and dtype of the carried weights.
+        dd = {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}
+        C, C_out = self.qkv.in_features, self.proj.out_features
+        self.down = nn.Conv2d(C, C, rate, stride=rate, bias=False, **dd) if down == "conv" else None
+        self.up = nn.ConvTranspose2d(C_out, C_out, rate, stride=rate, bias=False, **dd) if up == "conv" else None
+        self.up_gain = nn.Parameter(torch.zeros(C_out, **dd)) if up == "nearest" else None
+        self.reset_mano_parameters("preserve")
+
+    @classmethod
+    def from_carried(cls, carried: CarriedAttention, **kwargs) -> MultipoleAttention:
+        """MANO reusing an attention module's q/k/v/proj (and norms, gate, dropout) as they are."""
+        mano = cls(
+            carried.dim, carried.num_heads, head_dim=carried.head_dim, qkv=carried.qkv, proj=carried.proj, **kwargs
+        )
+        mano.q_norm, mano.k_norm, mano.norm = carried.q_norm, carried.k_norm, carried.norm
+        mano.gate, mano.proj_drop = carried.gate, carried.proj_drop
+        return mano
+
+    @torch.no_grad()
+    def reset_mano_parameters(self, mode: InitMode = "preserve") -> None:
+        """Initialise the parameters MANO adds (never qkv/proj).
+
+        "preserve": average-pool-equivalent D, zero U (γ = 0 with nearest): the layer starts as the
+            original attention restricted to level-0 windows; U (γ) still receives gradient.
+        "multipole": average-pool-equivalent D, nearest-equivalent U (γ = 1): the full V-cycle.
+        "random": PyTorch's default conv init (γ = 1), as when training from scratch.
+        """
+        if mode not in ("preserve", "multipole", "random"):
+            raise ValueError(f"init mode must be 'preserve', 'multipole' or 'random', got {mode!r}")
+        r = self.rate
+        if self.down is not None:
+            if mode == "random":
+                self.down.reset_parameters()
+            else:  # W[o, i] = δ_oi / r²
+                self.down.weight.zero_()
+                self.down.weight[range(self.down.out_channels), range(self.down.in_channels)] = 1.0 / (r * r)
+        if self.up is not None:
+            if mode == "random":
+                self.up.reset_parameters()
+            else:  # W[i, o] = δ_io (nearest) or 0
+                self.up.weight.zero_()
+                if mode == "multipole":
+                    self.up.weight[range(self.up.in_channels), range(self.up.out_channels)] = 1.0
+        if self.up_gain is not None:
+            self.up_gain.fill_(0.0 if mode == "preserve" else 1.0)
+
+    def plan(self, grid: tuple[int, int]) -> list[Level]:
+        """Per-level grids, windows and padding for an H×W patch grid."""
+        return plan_levels(grid, self.window, self.rate, self.levels, self.pad)
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, T, C] -> q, k, v, each [B, M, T, d], with the carried q/k norms applied."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def _project(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Per-head outputs [B, M, T, d] and the tokens they came from [B, T, C] -> [B, T, C']."""
+        B, _, T, _ = o.shape
+        o = self.norm(o.transpose(1, 2).reshape(B, T, self.attn_dim))
+        if self.gate is not None:
+            o = o * self.gate(x).sigmoid()
+        return self.proj(o)
+
+    def _window_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        level: Level,
+        prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Grid q/k/v [B, M, H*W, d] -> windowed attention output [B, M, H*W, d].
+
+        `prefix_kv` ([B, M, P, d] each) are appended to every window's keys/values (one softmax).
+        """
+        B, M, _, d = q.shape
+        (H, W), window, padded = level.grid, level.window, level.padded
+
+        def windows(t: torch.Tensor) -> torch.Tensor:  # [B, M, H*W, d] -> [B*M, nW, kh*kw, d]
+            return window_partition(pad_grid(t.reshape(B * M, H, W, d), padded), window)
+
+        qw, kw, vw = windows(q), windows(k), windows(v)
+        P = 0
+        if prefix_kv is not None:
+            P = prefix_kv[0].shape[2]
+            nW = qw.shape[1]
+            pk, pv = (t.reshape(B * M, 1, P, d).expand(-1, nW, -1, -1) for t in prefix_kv)
+            kw, vw = torch.cat([kw, pk], dim=2), torch.cat([vw, pv], dim=2)  # [B*M, nW, kh*kw + P, d]
+        mask = window_key_mask((H, W), padded, window, P, device=q.device)  # [nW, 1, kh*kw + P] or None
+        o = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=mask, scale=self.scale)  # [B*M, nW, kh*kw, d]
+        o = window_merge(o, padded, window)[:, :H, :W]  # [B*M, H, W, d]
+        return o.reshape(B, M, H * W, d)
+
+    def _down(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, C, H, W] -> [B, C, ⌈H/r⌉, ⌈W/r⌉]; conv: zero padding; avg: mean of the real cells."""
+        r = self.rate
+        if self.down is None:
+            return F.avg_pool2d(x, r, stride=r, ceil_mode=True)
+        H, W = x.shape[-2:]
+        return self.down(F.pad(x, (0, -W % r, 0, -H % r)))
+
+    def _up(self, z: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """[B, C', h, w] -> [B, C', r·h, r·w] cropped to `size`."""
+        if self.up is None:
+            z = z.repeat_interleave(self.rate, dim=-2).repeat_interleave(self.rate, dim=-1)
+        else:
+            z = self.up(z)
+        return z[..., : size[0], : size[1]]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        *,
+        layout: TokenLayout | None = None,
+    ) -> torch.Tensor:
+        """x: [B, N, C] with N = prefix + H·W tokens -> [B, N, C']."""
+        if attn_mask is not None or is_causal:
+            raise ValueError("MultipoleAttention supports neither attention masks nor causal attention")
+        if layout is None:
+            if self.layout_source is None:
+                raise ValueError(
+                    "MultipoleAttention needs the token layout: pass layout=TokenLayout(...) "
+                    "or patch the model with vca_patch.patch_model"
+                )
+            layout = self.layout_source()
+        B, N, C = x.shape
+        layout.check(N)
+        P, (H, W) = layout.num_prefix_tokens, layout.grid
+        levels = self.plan(layout.grid)
+
+        # Level 0: prefix queries read every token; grid queries read their window (+ prefix keys).
+        q, k, v = self._qkv(x)  # [B, M, N, d] each
+        prefix_kv = (k[:, :, :P], v[:, :, :P]) if P and self.prefix == "global" else None
+        o = self._window_attention(q[:, :, P:], k[:, :, P:], v[:, :, P:], levels[0], prefix_kv)  # [B, M, H*W, d]
+        if P:
+            o = torch.cat([F.scaled_dot_product_attention(q[:, :, :P], k, v, scale=self.scale), o], dim=2)
+        y = self._project(o, x)  # [B, N, C']
+        if len(levels) == 1:
+            return self.proj_drop(y)
+
+        # Coarse levels: coarsen the level inputs, attend within windows, project (grid tokens only).
+        x_level = x[:, P:].transpose(1, 2).reshape(B, C, H, W)
+        coarse: list[torch.Tensor] = []
+        for level in levels[1:]:
+            x_level = self._down(x_level)  # [B, C, H_ℓ, W_ℓ]
+            tokens = grid_to_tokens(x_level)  # [B, H_ℓ*W_ℓ, C]
+            y_level = self._project(self._window_attention(*self._qkv(tokens), level), tokens)  # [B, H_ℓ*W_ℓ, C']
+            coarse.append(y_level.transpose(1, 2).reshape(B, -1, *level.grid))
+
+        # V-cycle, coarse to fine: Z^ℓ = Y^ℓ + w_ℓ·U(Z^{ℓ+1}); the level-0 term is added to the grid rows.
+        weights = vcycle_weights(len(levels))
+        z = coarse[-1]
+        for index in range(len(levels) - 2, 0, -1):
+            z = coarse[index - 1] + weights[index] * self._up(z, levels[index].grid)
+        correction = weights[0] * self._up(z, (H, W))  # [B, C', H, W]
+        if self.up_gain is not None:
+            correction = correction * self.up_gain.view(1, -1, 1, 1).to(correction.dtype)
+        y = torch.cat([y[:, :P], y[:, P:] + grid_to_tokens(correction)], dim=1)
+        return self.proj_drop(y)
+
+    def extra_repr(self) -> str:
+        levels = "auto" if self.levels is None else self.levels
+        return (
+            f"heads={self.num_heads}, head_dim={self.head_dim}, window={self.window}, rate={self.rate}, "
+            f"levels={levels}, down={self.down_mode!r}, up={self.up_mode!r}, prefix={self.prefix!r}, pad={self.pad}"
+        )
