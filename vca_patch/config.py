@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -30,6 +31,8 @@ class TargetConfig:
     target: ClassVar[str] = ""
 
     layers: list[int] | None = field(default=None, kw_only=True)
+    include: str | None = field(default=None, kw_only=True)  # regex: patch only matching module paths
+    exclude: str | None = field(default=None, kw_only=True)  # regex: never patch matching module paths
     seed: int = field(default=0, kw_only=True)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -47,6 +50,15 @@ class TargetConfig:
             ):
                 raise ConfigError(f"layers must be a list of non-negative block indices or None, got {self.layers!r}")
             self.layers = sorted(set(self.layers))
+        for name in ("include", "exclude"):
+            pattern = getattr(self, name)
+            if pattern is not None:
+                try:
+                    re.compile(pattern)
+                except (re.error, TypeError) as exc:
+                    raise ConfigError(
+                        f"{name} must be a regular expression on module paths, got {pattern!r}: {exc}"
+                    ) from None
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
 

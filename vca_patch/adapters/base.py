@@ -92,6 +92,10 @@ class ModelAdapter(ABC):
     def create_base(cls, description: dict[str, Any]) -> nn.Module:
         """Rebuild the unpatched architecture (random weights) from `describe_base`'s output."""
 
+    def default_layout(self, model: nn.Module) -> TokenLayout | None:
+        """The token layout at the model's native input size, when it has one."""
+        return None
+
     def install_layout_tracker(self, model: nn.Module) -> LayoutTracker:
         tracker = LayoutTracker(self.num_prefix_tokens(model), self)
         self.embedding_module(model).register_forward_hook(tracker)

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from ..attention import CarriedAttention
+from ..attention import CarriedAttention, TokenLayout
 from .base import AttentionSite, ModelAdapter, SkippedSite
 
 _BLOCK_INDEX = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
@@ -66,6 +66,10 @@ class TimmViTAdapter(ModelAdapter):
 
     def num_prefix_tokens(self, model: nn.Module) -> int:
         return int(model.num_prefix_tokens)
+
+    def default_layout(self, model: nn.Module) -> TokenLayout | None:
+        grid = getattr(model.patch_embed, "grid_size", None)
+        return TokenLayout(self.num_prefix_tokens(model), tuple(int(g) for g in grid)) if grid else None
 
     def embedding_module(self, model: nn.Module) -> nn.Module:
         return model.patch_embed

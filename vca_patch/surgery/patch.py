@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,19 +43,32 @@ def get_patch_state(model: nn.Module) -> PatchState | None:
     return model.__dict__.get(STATE_ATTR)
 
 
-def _select(sites: list[AttentionSite], layers: list[int] | None) -> tuple[list[AttentionSite], list[SkippedSite]]:
-    if layers is None:
-        return sites, []
+def _select(
+    sites: list[AttentionSite], config: TargetConfig
+) -> tuple[list[AttentionSite], list[SkippedSite]]:
+    """Apply config.layers, config.include and config.exclude; a selection must match something."""
     available = sorted({s.layer_index for s in sites})
-    missing = [i for i in layers if i not in available]
-    if missing:
+    if config.layers is not None:
+        missing = [i for i in config.layers if i not in available]
+        if missing:
+            raise PatchError(
+                f"layers {missing} are out of range: this model's attention blocks are {available[0]}..{available[-1]}"
+            )
+    chosen, others = [], []
+    for site in sites:
+        if config.layers is not None and site.layer_index not in config.layers:
+            others.append(SkippedSite(site.path, site.class_name, "not in config.layers"))
+        elif config.include is not None and not re.search(config.include, site.path):
+            others.append(SkippedSite(site.path, site.class_name, f"does not match include {config.include!r}"))
+        elif config.exclude is not None and re.search(config.exclude, site.path):
+            others.append(SkippedSite(site.path, site.class_name, f"matches exclude {config.exclude!r}"))
+        else:
+            chosen.append(site)
+    if not chosen:
         raise PatchError(
-            f"layers {missing} are out of range: this model's attention blocks are {available[0]}..{available[-1]}"
-            if available
-            else f"layers {missing}: the model has no attention blocks"
+            "the selection (layers/include/exclude) matches no attention module; available: "
+            + ", ".join(s.path for s in sites)
         )
-    chosen = [s for s in sites if s.layer_index in layers]
-    others = [SkippedSite(s.path, s.class_name, "not in config.layers") for s in sites if s not in chosen]
     return chosen, others
 
 
@@ -66,16 +80,9 @@ def _swap(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
     return old
 
 
-def patch_model(model: nn.Module, config: TargetConfig | None = None) -> PatchReport:
-    """Replace the model's softmax self-attention with `config`'s target (default VCA), in place.
-
-    Every replacement is built (from the original q/k/v/proj weights) before any is swapped in, so
-    an error leaves the model untouched. Returns a report of what was patched and what was skipped.
-    """
-    config = config or VCAConfig()
+def _plan(model: nn.Module, config: TargetConfig):
+    """Find, select and build every replacement without touching the model."""
     config.validate()
-    if get_patch_state(model) is not None:
-        raise PatchError("model is already patched; call vca_patch.unpatch_model(model) first")
     adapter = adapter_for(model)
     if adapter is None:
         raise NothingToPatchError(
@@ -86,25 +93,15 @@ def patch_model(model: nn.Module, config: TargetConfig | None = None) -> PatchRe
     if not sites:
         listed = "; ".join(f"{s.path} [{s.class_name}]: {s.reason}" for s in skipped) or "none found"
         raise NothingToPatchError(f"{type(model).__name__} has no attention module that can be converted ({listed})")
-    chosen, unselected = _select(sites, config.layers)
+    chosen, unselected = _select(sites, config)
     params_before = _count_params(model)
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         replacements = {site.path: config.build_layer(adapter.carry(site), site.layer_index) for site in chosen}
+    return adapter, chosen, skipped + unselected, replacements, params_before
 
-    tracker = adapter.install_layout_tracker(model)
-    originals: dict[str, nn.Module] = {}
-    try:
-        for path, new in replacements.items():
-            new.layout_source = tracker.current
-            originals[path] = _swap(model, path, new)
-    except BaseException:
-        for path, old in originals.items():
-            _swap(model, path, old)
-        adapter.remove_layout_tracker(model)
-        raise
 
+def _report(adapter, model, config, chosen, skipped, replacements, params_before) -> PatchReport:
     patched = [
         PatchedSite(
             path=site.path,
@@ -118,7 +115,42 @@ def patch_model(model: nn.Module, config: TargetConfig | None = None) -> PatchRe
         )
         for site in chosen
     ]
-    report = PatchReport(adapter.name, patched, skipped + unselected, params_before, _count_params(model))
+    params_after = params_before + sum(s.params_added for s in patched)
+    layout = adapter.default_layout(model)
+    return PatchReport(adapter.name, patched, skipped, params_before, params_after, layout)
+
+
+def inspect_model(model: nn.Module, config: TargetConfig | None = None) -> PatchReport:
+    """Dry run: the report `patch_model` would give, leaving the model exactly as it is."""
+    config = config or VCAConfig()
+    adapter, chosen, skipped, replacements, params_before = _plan(model, config)
+    return _report(adapter, model, config, chosen, skipped, replacements, params_before)
+
+
+def patch_model(model: nn.Module, config: TargetConfig | None = None) -> PatchReport:
+    """Replace the model's softmax self-attention with `config`'s target (default VCA), in place.
+
+    Every replacement is built (from the original q/k/v/proj weights) before any is swapped in, so
+    an error leaves the model untouched. Returns a report of what was patched and what was skipped.
+    """
+    config = config or VCAConfig()
+    if get_patch_state(model) is not None:
+        raise PatchError("model is already patched; call vca_patch.unpatch_model(model) first")
+    adapter, chosen, skipped, replacements, params_before = _plan(model, config)
+
+    tracker = adapter.install_layout_tracker(model)
+    originals: dict[str, nn.Module] = {}
+    try:
+        for path, new in replacements.items():
+            new.layout_source = tracker.current
+            originals[path] = _swap(model, path, new)
+    except BaseException:
+        for path, old in originals.items():
+            _swap(model, path, old)
+        adapter.remove_layout_tracker(model)
+        raise
+
+    report = _report(adapter, model, config, chosen, skipped, replacements, params_before)
     model.__dict__[STATE_ATTR] = PatchState(adapter, config, report, tracker, originals)
     return report
 

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..adapters import SkippedSite
+from ..attention import TokenLayout
 
 
 def _settings_text(settings: dict[str, Any]) -> str:
@@ -36,6 +37,7 @@ class PatchReport:
     skipped: list[SkippedSite]
     params_before: int
     params_after: int
+    layout: TokenLayout | None = None  # prefix tokens and grid at the native input size
 
     @property
     def params_added(self) -> int:
@@ -48,6 +50,7 @@ class PatchReport:
             "skipped": [asdict(s) for s in self.skipped],
             "params_before": self.params_before,
             "params_after": self.params_after,
+            "layout": asdict(self.layout) if self.layout else None,
         }
 
     def __str__(self) -> str:
