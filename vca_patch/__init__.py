@@ -2,13 +2,15 @@
 
 __version__ = "0.1.0"
 
-from .attention import TokenLayout, VisualContrastAttention
-from .config import ConfigError, TargetConfig, VCAConfig
+from .attention import MultipoleAttention, TokenLayout, VisualContrastAttention
+from .config import ConfigError, MANOConfig, TargetConfig, VCAConfig
 from .io import from_pretrained, save_pretrained
 from .surgery import NothingToPatchError, PatchError, PatchReport, patch_model, unpatch_model
 
 __all__ = [
     "ConfigError",
+    "MANOConfig",
+    "MultipoleAttention",
     "NothingToPatchError",
     "PatchError",
     "PatchReport",

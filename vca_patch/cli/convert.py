@@ -1,4 +1,4 @@
-"""`vca-patch convert`: build a model, patch it with VCA, measure it, save it."""
+"""`vca-patch convert`: build a model, patch it with VCA or MANO, measure it, save it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import typer
 from rich.table import Table
 
-from ..config import ConfigError, VCAConfig
+from ..config import ConfigError, MANOConfig, TargetConfig, VCAConfig
 from ..fidelity import compare_outputs, probe_batch
 from ..io import (
     HubUnavailableError,
@@ -24,21 +24,25 @@ from ..surgery import PatchError, PatchReport, patch_model
 from .common import console, fail, parse_layers
 
 
-def _report_tables(report: PatchReport, probe: dict[str, float]) -> list[Table]:
+def _setting_cells(target: str, settings: dict) -> tuple[tuple[str, str], tuple[str, str]]:
+    """Two per-target (header, value) columns of the sites table."""
+    if target == "mano":
+        window = f"{settings.get('window', '')}, r={settings.get('rate', '')}"
+        return ("window", window), ("levels", str(settings.get("levels", "")))
+    lambda_init = f"{settings.get('lambda_init', float('nan')):.3f}"
+    return ("n", str(settings.get("contrast_tokens", ""))), ("λ_init", lambda_init)
+
+
+def _report_tables(report: PatchReport, probe: dict[str, float], target: str = "vca") -> list[Table]:
     sites = Table(title="Attention sites", title_justify="left")
-    for column in ("module", "original", "block", "heads", "n", "λ_init", "+params", "action"):
-        sites.add_column(column, justify="right" if column in ("block", "heads", "n", "+params") else "left")
+    (first, _), (second, _) = _setting_cells(target, {})
+    for column in ("module", "original", "block", "heads", first, second, "+params", "action"):
+        sites.add_column(column, justify="right" if column in ("block", "heads", first, "+params") else "left")
     for s in report.patched:
         action = "[green]patched[/]" + (f" ({'; '.join(s.notes)})" if s.notes else "")
+        (_, a), (_, b) = _setting_cells(target, s.settings)
         sites.add_row(
-            s.path,
-            s.original_class,
-            str(s.layer_index),
-            str(s.num_heads),
-            str(s.settings.get("contrast_tokens", "")),
-            f"{s.settings.get('lambda_init', float('nan')):.3f}",
-            f"{s.params_added:,}",
-            action,
+            s.path, s.original_class, str(s.layer_index), str(s.num_heads), a, b, f"{s.params_added:,}", action
         )
     for s in report.skipped:
         sites.add_row(s.path, s.class_name, "", "", "", "", "", f"[yellow]skipped[/]: {s.reason}")
@@ -66,19 +70,37 @@ def convert(
         Path | None, typer.Option(help="Local weights (.safetensors/.pth) for MODEL instead of the Hub's")
     ] = None,
     layers: Annotated[str | None, typer.Option(help="Blocks to convert, e.g. '0-5,8' (default: all)")] = None,
+    to: Annotated[str, typer.Option("--to", help="Target attention: vca or mano")] = "vca",
     contrast_tokens: Annotated[int, typer.Option(help="Pooled contrast tokens n (a perfect square)")] = 49,
     softmax: Annotated[str, typer.Option(help="Stage-II softmax: joint or separate")] = "joint",
-    init: Annotated[str, typer.Option(help="preserve (function-preserving) or paper (from scratch)")] = "preserve",
+    init: Annotated[
+        str, typer.Option(help="preserve (function-preserving); VCA: paper (from scratch); MANO: multipole or random")
+    ] = "preserve",
+    window: Annotated[int, typer.Option(help="MANO: window side k")] = 7,
+    rate: Annotated[int, typer.Option(help="MANO: coarsening rate r between levels")] = 2,
+    levels: Annotated[int | None, typer.Option(help="MANO: number of levels (default: auto per grid)")] = None,
+    down: Annotated[str, typer.Option(help="MANO: conv or avg")] = "conv",
+    up: Annotated[str, typer.Option(help="MANO: conv or nearest")] = "conv",
+    prefix: Annotated[str, typer.Option(help="MANO: prefix tokens global or separate")] = "global",
     probe_size: Annotated[int, typer.Option(help="Images in the probe batch that measures the change")] = 4,
     seed: Annotated[int, typer.Option(help="Seed of the random parts of the init and of the probe batch")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Overwrite a non-empty output folder")] = False,
 ) -> None:
-    """Convert MODEL's softmax attention to VCA and save it to --output."""
+    """Convert MODEL's softmax attention to VCA (or MANO with --to mano) and save it to --output."""
     try:
         check_output_dir(output, overwrite=force)
-        config = VCAConfig(
-            contrast_tokens=contrast_tokens, softmax=softmax, init=init, layers=parse_layers(layers), seed=seed
-        )
+        config: TargetConfig
+        if to == "vca":
+            config = VCAConfig(
+                contrast_tokens=contrast_tokens, softmax=softmax, init=init, layers=parse_layers(layers), seed=seed
+            )
+        elif to == "mano":
+            config = MANOConfig(
+                window=window, rate=rate, levels=levels, down=down, up=up, init=init, prefix=prefix,
+                layers=parse_layers(layers), seed=seed,
+            )  # fmt: skip
+        else:
+            raise ConfigError(f"--to must be 'vca' or 'mano', got {to!r}")
     except (OutputExistsError, ConfigError) as exc:
         fail(str(exc), 2)
     if weights is not None and not weights.is_file():
@@ -102,6 +124,6 @@ def convert(
         save_pretrained(
             net, output, overwrite=force, metadata={"base_weights": base_weights, "model_name": model, "probe": metrics}
         )
-    for table in _report_tables(report, metrics):
+    for table in _report_tables(report, metrics, config.target):
         console.print(table)
     console.print(f"[bold green]Saved[/] {output}/ (model.safetensors, config.json, README.md)")

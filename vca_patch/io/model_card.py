@@ -38,6 +38,36 @@ def _fidelity_section(metrics: dict[str, Any] | None) -> str:
     return f"| metric | value |\n|---|---|\n{rows}"
 
 
+def _method(config: dict[str, Any]) -> tuple[str, str, str]:
+    """(attention name, one-paragraph description, conversion-table rows) of the config's target."""
+    if config.get("target") == "mano":
+        levels = config["levels"] if config.get("levels") is not None else "auto"
+        intro = (
+            "[Multipole Attention](https://arxiv.org/abs/2507.02748) (MANO) with\n"
+            f"[vca-patch](https://pypi.org/project/vca-patch/). MANO attends within {config['window']}×"
+            f"{config['window']} windows on a hierarchy of grids\ncoarsened by {config['rate']} "
+            "and combined in a V-cycle, so attention costs O(N·C·(C + k²)) instead of O(N²·C)."
+        )
+        rows = (
+            f"| window k / rate r / levels | {config['window']} / {config['rate']} / {levels} |\n"
+            f"| down / up | {config['down']} / {config['up']} |\n"
+            f"| prefix tokens | {config['prefix']} |\n"
+            f"| initialisation | {config['init']} |"
+        )
+        return "Multipole Attention", intro, rows
+    intro = (
+        f"[Visual-Contrast Attention]({PAPER}) (VCA, NeurIPS 2025) with\n"
+        f"[vca-patch](https://pypi.org/project/vca-patch/). VCA attends through {config['contrast_tokens']} pooled\n"
+        "contrast tokens, so attention costs O(N·n·C) instead of O(N²·C) in the number of tokens N."
+    )
+    rows = (
+        f"| contrast tokens n | {config['contrast_tokens']} |\n"
+        f"| Stage-II softmax | {config['softmax']} |\n"
+        f"| initialisation | {config['init']} |"
+    )
+    return "Visual-Contrast Attention", intro, rows
+
+
 def render_model_card(meta: dict[str, Any]) -> str:
     base, config, layers = meta["base"], meta["config"], meta["layers"]
     extra = meta.get("metadata", {})
@@ -49,16 +79,15 @@ def render_model_card(meta: dict[str, Any]) -> str:
         if base.get("hf_hub_id") and extra.get("base_weights") == "pretrained"
         else f"`{arch}` ({extra.get('base_weights', 'weights of unknown origin')})"
     )
+    method_name, method_intro, method_rows = _method(config)
     return f"""---
 {_front_matter(meta)}
 ---
 
-# {arch} with Visual-Contrast Attention
+# {arch} with {method_name}
 
 This is `{arch}` ({base["library"]}) whose softmax self-attention was replaced by
-[Visual-Contrast Attention]({PAPER}) (VCA, NeurIPS 2025) with
-[vca-patch](https://pypi.org/project/vca-patch/). VCA attends through {config["contrast_tokens"]} pooled
-contrast tokens, so attention costs O(N·n·C) instead of O(N²·C) in the number of tokens N.
+{method_intro}
 
 Base model: {base_line}
 
@@ -67,9 +96,7 @@ Base model: {base_line}
 | | |
 |---|---|
 | blocks converted | {len(layers)} ({blocks}) |
-| contrast tokens n | {config["contrast_tokens"]} |
-| Stage-II softmax | {config["softmax"]} |
-| initialisation | {config["init"]} |
+{method_rows}
 | parameters | {before:,} → {after:,} (+{after - before:,}) |
 | vca-patch | {meta["vca_patch_version"]} |
 
