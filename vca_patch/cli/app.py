@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from .convert import convert
+from .inspect import inspect
 
 app = typer.Typer(
     name="vca-patch",
@@ -14,6 +15,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command()(convert)
+app.command()(inspect)
 
 
 @app.command()

@@ -8,6 +8,8 @@ import typer
 from rich.console import Console
 
 console = Console()
+if not console.is_terminal:  # piped or captured output: do not squeeze tables into 80 columns
+    console = Console(width=160)
 err_console = Console(stderr=True)
 
 

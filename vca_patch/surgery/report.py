@@ -9,8 +9,9 @@ from ..adapters import SkippedSite
 from ..attention import TokenLayout
 
 
-def _settings_text(settings: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in settings.items())
+def settings_text(settings: dict[str, Any]) -> str:
+    """{"contrast_tokens": 49, "lambda_init": 0.2} -> "contrast_tokens=49 lambda_init=0.200"."""
+    return " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in settings.items())
 
 
 @dataclass
@@ -59,6 +60,6 @@ class PatchReport:
             f"{len(self.skipped)} skipped; parameters {self.params_before:,} -> {self.params_after:,} "
             f"(+{self.params_added:,})"
         ]
-        lines += [f"  patched {s.path} (block {s.layer_index}, {_settings_text(s.settings)})" for s in self.patched]
+        lines += [f"  patched {s.path} (block {s.layer_index}, {settings_text(s.settings)})" for s in self.patched]
         lines += [f"  skipped {s.path} [{s.class_name}]: {s.reason}" for s in self.skipped]
         return "\n".join(lines)
