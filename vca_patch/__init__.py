@@ -4,7 +4,8 @@ __version__ = "0.1.0"
 
 from .attention import MultipoleAttention, TokenLayout, VisualContrastAttention
 from .config import ConfigError, MANOConfig, TargetConfig, VCAConfig
-from .io import from_pretrained, save_pretrained
+from .hub import from_pretrained, push_to_hub
+from .io import save_pretrained
 from .surgery import NothingToPatchError, PatchError, PatchReport, patch_model, unpatch_model
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "__version__",
     "from_pretrained",
     "patch_model",
+    "push_to_hub",
     "save_pretrained",
     "unpatch_model",
 ]

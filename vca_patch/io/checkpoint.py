@@ -1,7 +1,13 @@
-"""`save_pretrained` / `from_pretrained`: a folder with model.safetensors, config.json and README.md.
+"""`save_pretrained` / `from_pretrained`: a folder with config.json, README.md and the weights.
 
 config.json stores how to rebuild the base model and re-apply the patch; loading rebuilds the
 base architecture, patches it with the stored config, checks the per-layer map and loads weights.
+
+Two forms (`"checkpoint_form"` in config.json; absent means merged): "merged" holds every tensor in
+model.safetensors; "delta" holds only new and changed tensors in delta.safetensors plus a reference to
+the base weights (see io/delta.py). For timm bases config.json also carries timm's own keys
+(`architecture: "vca_patch"`, `model_args`, `pretrained_cfg`), so `timm.create_model("hf-hub:...")`
+loads it once `vca_patch` is imported (hub/timm_entrypoint.py registers the architecture).
 """
 
 from __future__ import annotations
@@ -19,13 +25,18 @@ from ..adapters import adapter_by_name
 from ..config import TargetConfig
 from ..surgery import PatchError, get_patch_state, patch_model, patched_layers
 from .atomic import atomic_write_text, staged_directory
-from .model_card import render_model_card
+from .delta import base_weights_ref, fetch_base_state_dict, merge_delta, split_delta
+from .model_card import check_metadata, render_model_card
 from .weights import WeightsMismatchError, load_state_dict_checked
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+DELTA_WEIGHTS_NAME = "delta.safetensors"
 CARD_NAME = "README.md"
+FORMS = {"merged": WEIGHTS_NAME, "delta": DELTA_WEIGHTS_NAME}
+TIMM_ARCHITECTURE = "vca_patch"  # the timm entrypoint registered by vca_patch.hub.timm_entrypoint
+_TIMM_CFG_DROP = ("url", "hf_hub_id", "hf_hub_filename", "hf_hub_revision", "file", "source", "state_dict")
 
 
 class CheckpointError(ValueError):
@@ -53,17 +64,34 @@ def _check_rebuildable(model: nn.Module, meta: dict[str, Any]) -> None:
         )
 
 
+def _timm_keys(model: nn.Module, base: dict[str, Any]) -> dict[str, Any]:
+    """timm's config.json keys, so `timm.create_model("hf-hub:...")` finds the `vca_patch` entrypoint."""
+    args = dict(base.get("model_args", {}))
+    cfg = {k: v for k, v in (getattr(model, "pretrained_cfg", None) or {}).items() if k not in _TIMM_CFG_DROP}
+    cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items() if v is not None}
+    if "num_classes" in args:
+        cfg["num_classes"] = args["num_classes"]
+    if args.get("img_size") is not None:
+        size, chans = args["img_size"], args.get("in_chans", cfg.get("input_size", [3])[0])
+        cfg["input_size"] = [chans, *(size if isinstance(size, (list, tuple)) else (size, size))]
+    return {"architecture": TIMM_ARCHITECTURE, "model_args": args, "pretrained_cfg": cfg}
+
+
+# Extra top-level config.json keys per base library (a second library adds its entry here).
+LIBRARY_KEYS = {"timm": _timm_keys}
+
+
 def checkpoint_metadata(
     model: nn.Module, *, model_args: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The config.json content for a patched model."""
+    """The config.json content for a patched model (merged form)."""
     state = get_patch_state(model)
     if state is None:
         raise PatchError("model is not patched by vca_patch; call vca_patch.patch_model(model) first")
     base = state.adapter.describe_base(model)
     if model_args is not None:
         base["model_args"] = dict(model_args)
-    return {
+    meta = {
         "vca_patch_version": __version__,
         "format_version": FORMAT_VERSION,
         "adapter": state.adapter.name,
@@ -72,7 +100,12 @@ def checkpoint_metadata(
         "layers": patched_layers(model),
         "params": {"before": state.report.params_before, "after": state.report.params_after},
         "metadata": dict(metadata or {}),
+        "checkpoint_form": "merged",
     }
+    library_keys = LIBRARY_KEYS.get(base.get("library", ""))
+    if library_keys is not None:
+        meta.update(library_keys(model, base))
+    return meta
 
 
 def save_pretrained(
@@ -82,20 +115,40 @@ def save_pretrained(
     overwrite: bool = False,
     model_args: dict[str, Any] | None = None,
     metadata: dict[str, Any] | None = None,
+    form: str = "merged",
+    base_weights: str | Path | dict[str, Any] | None = None,
+    base_state_dict: dict[str, torch.Tensor] | None = None,
+    repo_id: str | None = None,
 ) -> Path:
-    """Write a patched model to `directory` (model.safetensors, config.json, README.md), atomically.
+    """Write a patched model to `directory` (weights, config.json, README.md), atomically.
 
     `model_args` are the keyword arguments the base model was created with, when they cannot be
-    read back from the model; `metadata` (e.g. base_weights, probe metrics) goes into config.json
-    and the model card.
+    read back from the model; `metadata` (base_weights, probe, recipe, metrics, datasets: see
+    io/model_card.py) goes into config.json and the model card.
+
+    `form="delta"` writes only the tensors that are new or differ from the base weights the model was
+    converted from: `base_state_dict` (those tensors) or else read from `base_weights` (a local file,
+    "org/name@revision", or by default the base's Hub id at its cached commit), which is also the
+    reference loaders fetch. `repo_id` fills in the model card's usage snippet.
     """
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {sorted(FORMS)}, got {form!r}")
     meta = checkpoint_metadata(model, model_args=model_args, metadata=metadata)
+    check_metadata(meta["metadata"])
     _check_rebuildable(model, meta)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    if form == "delta":
+        ref = base_weights_ref(base_weights, meta["base"])
+        base = base_state_dict if base_state_dict is not None else fetch_base_state_dict(ref)
+        tensors, info = split_delta(tensors, {k: v.detach().to("cpu") for k, v in base.items()})
+        meta["checkpoint_form"] = "delta"
+        meta["delta"] = {"base_weights": ref, **info}
+    elif base_weights is not None or base_state_dict is not None:
+        raise ValueError("base_weights / base_state_dict are for form='delta'")
     with staged_directory(Path(directory), overwrite=overwrite) as stage:
-        save_file(tensors, str(stage / WEIGHTS_NAME), metadata={"format": "pt", "vca_patch": __version__})
+        save_file(tensors, str(stage / FORMS[form]), metadata={"format": "pt", "vca_patch": __version__})
         atomic_write_text(stage / CONFIG_NAME, json.dumps(meta, indent=2) + "\n")
-        atomic_write_text(stage / CARD_NAME, render_model_card(meta))
+        atomic_write_text(stage / CARD_NAME, render_model_card(meta, repo_id=repo_id))
     return Path(directory)
 
 
@@ -103,35 +156,59 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
 
 
+def weights_name(meta: dict[str, Any]) -> str:
+    """The weights file of a checkpoint: model.safetensors (merged) or delta.safetensors (delta)."""
+    return FORMS[meta.get("checkpoint_form", "merged")]
+
+
+def check_checkpoint_config(meta: Any, where: str) -> dict[str, Any]:
+    """Check parsed config.json content: a vca-patch config, of a format this version reads."""
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{where} is not a vca-patch config: not a JSON object")
+    required = ("format_version", "adapter", "base", "config", "layers")
+    absent = [key for key in required if key not in meta]
+    if absent:
+        hint = (
+            f"; it looks like a plain {meta.get('library_name') or 'timm'} model config (architecture "
+            f"{meta['architecture']!r}): convert it with `vca-patch convert`"
+            if "architecture" in meta and "format_version" not in meta
+            else ""
+        )
+        raise CheckpointError(f"{where} is not a vca-patch config: missing {', '.join(absent)}{hint}")
+    if not isinstance(meta["format_version"], int) or meta["format_version"] > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{where} was written by vca-patch {meta.get('vca_patch_version', '?')} (format "
+            f"{meta['format_version']}); this is vca-patch {__version__} (format {FORMAT_VERSION}): "
+            f"upgrade with pip install -U 'vca-patch>={meta.get('vca_patch_version', '')}'"
+        )
+    if meta.get("checkpoint_form", "merged") not in FORMS:
+        raise CheckpointError(f"{where}: unknown checkpoint_form {meta['checkpoint_form']!r}; known: {sorted(FORMS)}")
+    if meta.get("checkpoint_form") == "delta" and "base_weights" not in meta.get("delta", {}):
+        raise CheckpointError(f"{where}: a delta checkpoint must name its base weights (delta.base_weights)")
+    return meta
+
+
 def read_checkpoint_config(directory: Path) -> dict[str, Any]:
     """config.json of a checkpoint folder, checked for completeness and version."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a folder")
-    missing = [name for name in (CONFIG_NAME, WEIGHTS_NAME) if not (directory / name).is_file()]
+    meta: Any = None
+    if (directory / CONFIG_NAME).is_file():
+        try:
+            meta = json.loads((directory / CONFIG_NAME).read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{directory / CONFIG_NAME} is not valid JSON: {exc}") from exc
+    form = meta.get("checkpoint_form", "merged") if isinstance(meta, dict) else "merged"
+    expected = (CONFIG_NAME, FORMS.get(form, WEIGHTS_NAME))
+    missing = [name for name in expected if not (directory / name).is_file()]
     if missing:
         raise CheckpointError(f"{directory} is not a vca-patch checkpoint: missing {', '.join(missing)}")
-    try:
-        meta = json.loads((directory / CONFIG_NAME).read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{directory / CONFIG_NAME} is not valid JSON: {exc}") from exc
-    required = ("format_version", "adapter", "base", "config", "layers")
-    absent = [key for key in required if key not in meta]
-    if absent:
-        raise CheckpointError(f"{directory / CONFIG_NAME} is not a vca-patch config: missing {', '.join(absent)}")
-    if meta["format_version"] > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{directory} was written by vca-patch {meta.get('vca_patch_version', '?')} (format "
-            f"{meta['format_version']}); this is vca-patch {__version__} (format {FORMAT_VERSION}): "
-            f"upgrade with pip install -U 'vca-patch>={meta.get('vca_patch_version', '')}'"
-        )
-    return meta
+    return check_checkpoint_config(meta, str(directory / CONFIG_NAME))
 
 
-def from_pretrained(directory: str | Path, *, device: str | torch.device = "cpu") -> nn.Module:
-    """Rebuild a converted model from a `save_pretrained` folder, in eval mode."""
-    directory = Path(directory)
-    meta = read_checkpoint_config(directory)
+def build_model(meta: dict[str, Any]) -> nn.Module:
+    """The converted architecture described by `meta`, without the checkpoint's weights."""
     adapter = adapter_by_name(meta["adapter"])
     model = adapter.create_base(meta["base"])
     patch_model(model, TargetConfig.from_dict(meta["config"]))
@@ -140,8 +217,30 @@ def from_pretrained(directory: str | Path, *, device: str | torch.device = "cpu"
             f"re-applying the stored patch gave layers {sorted(patched_layers(model))}, but the checkpoint "
             f"has {sorted(meta['layers'])}"
         )
+    return model
+
+
+def from_pretrained(
+    directory: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    base_state_dict: dict[str, torch.Tensor] | None = None,
+) -> nn.Module:
+    """Rebuild a converted model from a `save_pretrained` folder, in eval mode.
+
+    A delta checkpoint fetches its base weights (local file, Hub cache, or Hub) unless `base_state_dict`
+    gives them.
+    """
+    directory = Path(directory)
+    meta = read_checkpoint_config(directory)
+    model = build_model(meta)
+    path = directory / weights_name(meta)
+    state = load_file(str(path))
+    if meta.get("checkpoint_form") == "delta":
+        base = base_state_dict if base_state_dict is not None else fetch_base_state_dict(meta["delta"]["base_weights"])
+        state = merge_delta(state, base, list(model.state_dict()), meta["delta"])
     try:
-        load_state_dict_checked(model, load_file(str(directory / WEIGHTS_NAME)), str(directory / WEIGHTS_NAME))
+        load_state_dict_checked(model, state, str(path))
     except WeightsMismatchError as exc:
         raise CheckpointError(str(exc)) from exc
     return model.to(device).eval()

@@ -1,0 +1,21 @@
+"""The Hub layer, on top of io/: push checkpoints, load them by repo id, and the timm integration."""
+
+from . import timm_entrypoint
+from .errors import HubAuthError, HubError, HubUnavailableError, InvalidRepoIdError, RepoNotFoundError
+from .load import from_pretrained
+from .push import push_to_hub
+from .resolve import fetch_checkpoint, validate_repo_id
+
+timm_entrypoint.register()
+
+__all__ = [
+    "HubAuthError",
+    "HubError",
+    "HubUnavailableError",
+    "InvalidRepoIdError",
+    "RepoNotFoundError",
+    "fetch_checkpoint",
+    "from_pretrained",
+    "push_to_hub",
+    "validate_repo_id",
+]

@@ -1,0 +1,164 @@
+"""Delta checkpoints: only the tensors a conversion added or changed, keyed to the base weights.
+
+A delta folder holds `delta.safetensors` and a config.json with `"checkpoint_form": "delta"` and
+
+    "delta": {
+      "base_weights": {"hf_hub_id": "timm/deit_tiny_patch16_224.fb_in1k", "revision": "<commit sha>",
+                       "filename": "model.safetensors"}       # a Hub file at a pinned commit
+                    | {"path": "/abs/path/base.safetensors"},  # or a local file (tests, private use)
+      "base_sha256": "...",  # fingerprint of the base tensors the delta reuses
+      "added": 28, "changed": 0, "reused": 40
+    }
+
+"Changed" is decided against the base weights the model was converted from: `save_pretrained(form="delta")`
+takes them as `base_state_dict=` or reads them from `base_weights=` (a file path, "org/name@revision",
+or the dict above; by default the base's Hub id at the commit found in the local Hugging Face cache).
+Loading fetches the base file (Hub cache first; fails fast when the Hub is unreachable), checks the
+fingerprint, and overlays the delta, so both forms load to the same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .base_model import HubUnavailableError, hub_offline_reason
+from .weights import read_state_dict
+
+HUB_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+class DeltaError(ValueError):
+    """A delta checkpoint cannot be written or applied as asked."""
+
+
+def fingerprint(tensors: dict[str, torch.Tensor], keys: list[str]) -> str:
+    """sha256 over the names, dtypes, shapes and bytes of `keys` (sorted)."""
+    digest = hashlib.sha256()
+    for key in sorted(keys):
+        t = tensors[key].detach().to("cpu").contiguous()
+        digest.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def split_delta(
+    state: dict[str, torch.Tensor], base: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors of `state` that are new or differ from `base`, and the delta block for config.json."""
+    delta: dict[str, torch.Tensor] = {}
+    added = changed = 0
+    reused: list[str] = []
+    for key, value in state.items():
+        ref = base.get(key)
+        if ref is None:
+            added += 1
+            delta[key] = value
+        elif ref.dtype != value.dtype or ref.shape != value.shape or not torch.equal(ref.to(value.device), value):
+            changed += 1
+            delta[key] = value
+        else:
+            reused.append(key)
+    info = {"base_sha256": fingerprint(base, reused), "added": added, "changed": changed, "reused": len(reused)}
+    return delta, info
+
+
+def merge_delta(
+    delta: dict[str, torch.Tensor], base: dict[str, torch.Tensor], model_keys: list[str], info: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The full state dict: base tensors for the keys the delta does not hold, then the delta."""
+    reused = [k for k in model_keys if k not in delta]
+    missing = [k for k in reused if k not in base]
+    if missing:
+        raise DeltaError(f"the base weights lack {len(missing)} tensors the delta relies on: {', '.join(missing[:6])}")
+    if fingerprint(base, reused) != info.get("base_sha256"):
+        raise DeltaError(
+            "the base weights differ from those this delta was made against (fingerprint mismatch); "
+            f"check that {describe_base_weights(info['base_weights'])} is the base the model was converted from"
+        )
+    return {**{k: base[k] for k in reused}, **delta}
+
+
+def describe_base_weights(ref: dict[str, Any]) -> str:
+    if "path" in ref:
+        return f"local file {ref['path']}"
+    return f"{ref['hf_hub_id']}@{ref['revision']} ({ref['filename']})"
+
+
+def _cached_hub_file(hub_id: str, revision: str | None = None) -> str | None:
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in HUB_WEIGHT_FILES:
+        cached = try_to_load_from_cache(hub_id, filename, revision=revision)
+        if isinstance(cached, str):
+            return cached
+    return None
+
+
+def _hub_ref(hub_id: str, revision: str | None) -> dict[str, Any]:
+    """A pinned Hub reference: the revision given, else the commit of the cached file, else the Hub's main."""
+    cached = _cached_hub_file(hub_id, revision)
+    if cached is not None:
+        path = Path(cached)  # <cache>/models--org--name/snapshots/<commit>/<filename>
+        return {"hf_hub_id": hub_id, "revision": revision or path.parent.name, "filename": path.name}
+    reason = hub_offline_reason()
+    if reason:
+        raise HubUnavailableError(
+            f"the base weights {hub_id} are not in the local Hugging Face cache and the Hub is unreachable "
+            f"({reason}); pass base_weights= a local file or base_state_dict="
+        )
+    from huggingface_hub import HfApi
+
+    info = HfApi().model_info(hub_id, revision=revision, files_metadata=False)
+    names = {s.rfilename for s in info.siblings or []}
+    filename = next((f for f in HUB_WEIGHT_FILES if f in names), None)
+    if filename is None:
+        raise DeltaError(f"{hub_id} has none of {', '.join(HUB_WEIGHT_FILES)}")
+    return {"hf_hub_id": hub_id, "revision": info.sha, "filename": filename}
+
+
+def base_weights_ref(spec: str | Path | dict[str, Any] | None, base: dict[str, Any]) -> dict[str, Any]:
+    """Normalise `base_weights=` to {"path"} or {"hf_hub_id", "revision", "filename"} (revision pinned)."""
+    if isinstance(spec, dict):
+        if "path" in spec:
+            return {"path": str(Path(spec["path"]).resolve())}
+        if "hf_hub_id" not in spec:
+            raise DeltaError(f"base_weights needs 'path' or 'hf_hub_id', got {sorted(spec)}")
+        ref = _hub_ref(spec["hf_hub_id"], spec.get("revision"))
+        return {**ref, "filename": spec.get("filename", ref["filename"])}
+    if spec is not None and (isinstance(spec, Path) or Path(spec).exists()):
+        path = Path(spec)
+        if not path.is_file():
+            raise DeltaError(f"base weights file {path} does not exist")
+        return {"path": str(path.resolve())}
+    if spec is not None:
+        hub_id, _, revision = str(spec).removeprefix("hf-hub:").partition("@")
+        return _hub_ref(hub_id, revision or None)
+    if not base.get("hf_hub_id"):
+        raise DeltaError("the base model names no Hub weights; pass base_weights= (a file or 'org/name@revision')")
+    return _hub_ref(base["hf_hub_id"], None)
+
+
+def fetch_base_state_dict(ref: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The base tensors a delta names: a local file, or a Hub file from the cache or downloaded."""
+    if "path" in ref:
+        if not Path(ref["path"]).is_file():
+            raise DeltaError(f"the base weights of this delta checkpoint, {ref['path']}, do not exist")
+        return read_state_dict(Path(ref["path"]))
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(ref["hf_hub_id"], ref["filename"], revision=ref["revision"])
+    if not isinstance(cached, str):
+        reason = hub_offline_reason()
+        if reason:
+            raise HubUnavailableError(
+                f"the base weights of this delta checkpoint ({describe_base_weights(ref)}) must come from the "
+                f"Hugging Face Hub, which is unreachable here ({reason}), and they are not in the local cache. "
+                "Load the merged form of the checkpoint, or run once online."
+            )
+        cached = hf_hub_download(ref["hf_hub_id"], ref["filename"], revision=ref["revision"], etag_timeout=5)
+    return read_state_dict(Path(cached))
