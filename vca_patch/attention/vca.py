@@ -25,17 +25,31 @@ from torch import nn
 
 from .carried import CarriedAttention
 from .differential_lambda import DifferentialLambda, lambda_init_for_depth
-from .layout import TokenLayout, grid_to_tokens, tokens_to_grid
+from .layout import TokenLayout
 
 SoftmaxMode = Literal["joint", "separate"]
 InitMode = Literal["preserve", "paper"]
 
 
-def _rms_norm(x: torch.Tensor, norm: nn.RMSNorm) -> torch.Tensor:
-    """RMSNorm computed in at least float32 (bf16/fp16 safe), returned in x's dtype."""
+def _rms_norm(x: torch.Tensor, norm: nn.RMSNorm, scale: float = 1.0) -> torch.Tensor:
+    """scale·RMSNorm(x) computed in at least float32 (bf16/fp16 safe), returned in x's dtype.
+
+    The scale is folded into the [d] weight, so it costs no pass over x.
+    """
     dtype = torch.promote_types(x.dtype, torch.float32)
-    y = F.rms_norm(x.to(dtype), norm.normalized_shape, norm.weight.to(dtype), norm.eps)
+    y = F.rms_norm(x.to(dtype), norm.normalized_shape, norm.weight.to(dtype) * scale, norm.eps)
     return y.to(x.dtype)
+
+
+def _patch_grid(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """[B, M, N, d] per-head tokens -> [B, M*d, H, W] grid of the patch rows, channels-last strides.
+
+    A view (no copy) when x is a head view of a fused [B, N, 3·M·d] qkv output, so pooling and the depthwise
+    conv run their channels-last kernels straight on the projection output; a copy otherwise.
+    """
+    B, M, _, d = x.shape
+    H, W = layout.grid
+    return x.transpose(1, 2)[:, layout.num_prefix_tokens :].reshape(B, H, W, M * d).permute(0, 3, 1, 2)
 
 
 class VisualContrastAttention(nn.Module):
@@ -154,13 +168,14 @@ class VisualContrastAttention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def contrast_tokens(self, q: torch.Tensor, layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pooled patch queries plus e±, per head: two [B, M, n, d] tensors."""
-        pooled = F.adaptive_avg_pool2d(tokens_to_grid(q, layout), self.contrast_grid)  # [B, C, h, w]
-        pooled = grid_to_tokens(pooled)  # [B, n, C]
-        t_pos = pooled + self.contrast_embed_pos.to(pooled.dtype)
-        t_neg = pooled + self.contrast_embed_neg.to(pooled.dtype)
-        return self._split_heads(t_pos), self._split_heads(t_neg)
+    def contrast_tokens(self, q: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """Pooled patch queries plus e₊ and e₋, per head: [B, M, 2n, d], the n t₊ tokens then the n t₋."""
+        B, M, _, d = q.shape
+        n = self.num_contrast_tokens
+        pooled = F.adaptive_avg_pool2d(_patch_grid(q, layout), self.contrast_grid)  # [B, C, h, w], channels-last
+        pooled = pooled.permute(0, 2, 3, 1).reshape(B, 1, n, M * d)  # [B, 1, n, C]
+        embed = torch.cat([self.contrast_embed_pos, self.contrast_embed_neg]).to(pooled.dtype)  # [2, n, C]
+        return (pooled + embed).view(B, 2 * n, M, d).transpose(1, 2)  # one add for both streams
 
     def forward(
         self,
@@ -187,14 +202,14 @@ class VisualContrastAttention(nn.Module):
         qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # [B, M, N, d] each
         q, k = self.q_norm(q), self.k_norm(k)
-        t_pos, t_neg = self.contrast_tokens(q, layout)  # [B, M, n, d] each
-        contrast = torch.cat([t_pos, t_neg], dim=2)  # [B, M, 2n, d]
+        contrast = self.contrast_tokens(q, layout)  # [B, M, 2n, d]
+        t_pos, t_neg = contrast.split(n, dim=2)  # [B, M, n, d] each (views)
         lambda1 = self.lambda1().to(q.dtype)
         lambda2 = self.lambda2().to(q.dtype)
 
         # Stage I: the 2n contrast tokens read all N tokens (prefix included): one SDPA call.
         u_pos, u_neg = F.scaled_dot_product_attention(contrast, k, v, scale=self.scale).split(n, dim=2)
-        v_hat = (1 - self.lambda_init) * _rms_norm(u_pos - lambda1 * u_neg, self.stage1_norm)  # [B, M, n, d]
+        v_hat = _rms_norm(u_pos - lambda1 * u_neg, self.stage1_norm, 1 - self.lambda_init)  # [B, M, n, d]
 
         # Stage II: every token reads the contrast tokens.
         if self.softmax == "joint":
@@ -206,12 +221,14 @@ class VisualContrastAttention(nn.Module):
             o_pos = F.scaled_dot_product_attention(q, t_pos, v_hat, scale=self.scale)
             o_neg = F.scaled_dot_product_attention(q, t_neg, v_hat, scale=self.scale)
             o = o_pos - lambda2 * o_neg
-        o = (1 - self.lambda_init) * _rms_norm(o, self.stage2_norm)  # [B, M, N, d]
+        o = _rms_norm(o, self.stage2_norm, 1 - self.lambda_init)  # [B, M, N, d]
         o = o.transpose(1, 2).reshape(B, N, self.attn_dim)
 
         # Local term: depthwise 3×3 conv on the patch values; prefix rows get none.
-        local = grid_to_tokens(self.dwc(tokens_to_grid(v, layout)))  # [B, H*W, C]
-        o = torch.cat([o[:, :P], o[:, P:] + local], dim=1)
+        # Channels-last conv straight on the qkv output (oneDNN's NHWC depthwise kernel, ~2x NCHW on CPU);
+        # the result is NHWC, so back to tokens is a view, and it is added in place (no concatenation copy).
+        local = self.dwc(_patch_grid(v, layout)).permute(0, 2, 3, 1).reshape(B, N - P, self.attn_dim)  # [B, H*W, C]
+        o[:, P:] += local
 
         o = self.norm(o)
         if self.gate is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from .bench import bench
 from .convert import convert
 from .inspect import inspect
 
@@ -14,6 +15,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+app.command()(bench)
 app.command()(convert)
 app.command()(inspect)
 

@@ -1,0 +1,204 @@
+"""The benchmark's behaviour: MAC formulas, crossover, variants, memory probe, CLI output, compile."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from vca_patch.attention import TokenLayout, VisualContrastAttention
+from vca_patch.bench import (
+    ORIGINAL,
+    UNFUSED,
+    AttentionShape,
+    ModelShape,
+    attention_macs,
+    build_variants,
+    crossover,
+    model_macs,
+    model_shape,
+    register_attention_macs,
+    softmax_attention_macs,
+    vca_attention_macs,
+)
+from vca_patch.bench.flops import ATTENTION_MACS
+from vca_patch.config import VCAConfig
+
+# --- analytic MACs -------------------------------------------------------------------------------------
+
+
+def test_attention_macs_match_hand_values():
+    deit_t = AttentionShape(1, (14, 14), 192, 3)  # docs/vca.md §3.2: 14.9 M vs 13.3 M (7nNC), 15.2 M (SDPA)
+    assert softmax_attention_macs(deit_t) == 2 * 197**2 * 192 == 14_902_656
+    assert vca_attention_macs(deit_t, 49, sdpa=False) == 7 * 49 * 197 * 192 + 9 * 196 * 192 == 13_312_320
+    assert vca_attention_macs(deit_t, 49) == 8 * 49 * 197 * 192 + 9 * 196 * 192 == 15_165_696
+    assert vca_attention_macs(deit_t, 49, exact_prefix=True) == 15_165_696 + 2 * 1 * 197 * 192
+    big = AttentionShape(1, (28, 28), 192, 3)
+    assert softmax_attention_macs(big) == 236_630_400
+
+
+def test_model_macs_hand_computed_for_a_two_block_vit():
+    shape = ModelShape(
+        depth=2,
+        dim=384,
+        num_heads=6,
+        num_prefix_tokens=1,
+        patch_size=(16, 16),
+        in_chans=3,
+        linear_macs_per_token=12 * 384**2,
+        embed_macs_per_patch=384 * 3 * 16 * 16,
+    )
+    embed = 196 * 384 * 3 * 256
+    linear = 197 * 12 * 384**2
+    assert model_macs(shape, (224, 224)) == embed + 2 * (linear + 2 * 197**2 * 384)
+    vca = 8 * 49 * 197 * 384 + 9 * 196 * 384
+    assert model_macs(shape, (224, 224), "vca", VCAConfig()) == embed + 2 * (linear + vca)
+    # Only block 1 patched: block 0 keeps softmax.
+    mixed = model_macs(shape, (224, 224), "vca", VCAConfig(layers=[1]))
+    assert mixed == embed + 2 * linear + 2 * 197**2 * 384 + vca
+
+
+def test_model_shape_reads_a_timm_vit():
+    import timm
+
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, depth=2, mlp_ratio=2.0)
+    shape = model_shape(model)
+    assert (shape.depth, shape.dim, shape.num_heads, shape.num_prefix_tokens) == (2, 192, 3, 1)
+    assert shape.linear_macs_per_token == (3 + 1 + 2 + 2) * 192**2
+    assert shape.grid((512, 256)) == (32, 16)
+
+
+def test_attention_macs_registry_is_extensible():
+    @register_attention_macs("test-linear")
+    def _linear(shape, config):
+        return 3.0 * shape.num_tokens * shape.dim
+
+    try:
+        assert attention_macs("test-linear", AttentionShape(0, (2, 2), 8, 2)) == 96.0
+    finally:
+        del ATTENTION_MACS["test-linear"]
+    with pytest.raises(KeyError, match="known"):
+        attention_macs("nope", AttentionShape(0, (2, 2), 8, 2))
+
+
+# --- crossover ---------------------------------------------------------------------------------------
+
+
+def test_crossover_interpolates_in_log_space():
+    assert crossover([100, 1000, 10000], [1.2, 0.8, 0.5]) == pytest.approx(math.sqrt(100 * 1000))
+    assert crossover([100, 1000], [0.9, 0.5]) == 100
+    assert crossover([100, 1000], [1.1, 1.0]) is None
+    assert crossover([100, 1000, 10000], [1.5, None, 0.5]) == pytest.approx(1000)  # missing points skipped
+    assert crossover([100, 1000, 10000], [1.2, 0.9, 1.1]) == pytest.approx(100 * 10 ** (0.2 / 0.3))
+
+
+# --- variants ----------------------------------------------------------------------------------------
+
+
+def test_variants_share_weights_and_unfused_is_explicit():
+    from timm.layers import use_fused_attn
+
+    before = use_fused_attn()
+    variants = build_variants("vit_tiny_patch16_224", [VCAConfig()], model_args={"depth": 1})
+    assert use_fused_attn() == before
+    names = [v.name for v in variants]
+    assert names == [ORIGINAL, UNFUSED, "vca"]
+    original, unfused, vca = (v.model for v in variants)
+    assert original.blocks[0].attn.fused_attn and not unfused.blocks[0].attn.fused_attn
+    assert isinstance(vca.blocks[0].attn, VisualContrastAttention)
+    x = torch.randn(1, 3, 48, 64)  # dynamic image size: a non-square 3x4 grid
+    with torch.no_grad():
+        torch.testing.assert_close(original(x), unfused(x), atol=1e-5, rtol=1e-5)
+        assert vca(x).shape == original(x).shape
+
+
+# --- memory probe and CLI (subprocesses: the CPU memory probe changes malloc for its process) ----------
+
+_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
+
+
+def test_cpu_peak_memory_sees_torch_and_vca_training_is_linear_in_tokens():
+    code = textwrap.dedent(
+        """
+        import json, torch
+        from vca_patch.attention import TokenLayout, VisualContrastAttention
+        from vca_patch.bench.memory import cpu_peak_mib
+        big = cpu_peak_mib(lambda: torch.ones(16, 2**20).sum())  # 64 MiB, freed before the call returns
+        m = VisualContrastAttention(64, 2, contrast_grid=(4, 4))
+        def step(side):
+            x = torch.randn(1, 1 + side * side, 64, requires_grad=True)
+            lay = TokenLayout(1, (side, side))
+            return cpu_peak_mib(lambda: m(x, layout=lay).square().sum().backward())
+        step(32)
+        print(json.dumps({"big": big, "small": step(32), "large": step(64)}))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=_ENV, capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 60 < got["big"] < 80, got
+    assert got["large"] < 6 * got["small"], got  # 4x the tokens; quadratic memory would be ~16x
+
+
+def test_cli_bench_writes_json_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    cmd = [
+        sys.executable, "-m", "vca_patch", "bench", "vit_tiny_patch16_224", "--depth", "1",
+        "--resolutions", "32,64", "--repeats", "2", "--warmup", "0", "--threads", "2",
+        "--json", str(out_json), "--plot", str(out_png),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=_ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "patched / original" in done.stdout
+    result = json.loads(out_json.read_text())
+    assert set(result) == {"meta", "results", "ratios", "crossover"}
+    assert result["meta"]["model"] == "vit_tiny_patch16_224" and result["meta"]["threads"] == 2
+    rows = {(r["variant"], r["resolution"]): r for r in result["results"]}
+    assert set(rows) == {(v, px) for v in (ORIGINAL, UNFUSED, "vca") for px in (32, 64)}
+    for (variant, _), r in rows.items():
+        assert r["latency_ms"] > 0 and len(r["latency_ms_runs"]) == 2 and r["throughput"] > 0
+        assert r["gmacs"] > 0 and r["memory_infer_mib"] is not None
+        assert (r["memory_train_mib"] is None) == (variant == UNFUSED)
+    assert rows["vca", 64]["tokens"] == 17
+    ratios = result["ratios"]
+    assert [r["resolution"] for r in ratios] == [32, 64] and all(r["target"] == "vca" for r in ratios)
+    for r in ratios:
+        for key in ("flop_ratio", "latency_ratio", "latency_over_flop", "latency_ratio_unfused"):
+            assert r[key] > 0, key
+    assert set(result["crossover"]["vca"]) >= {"latency_tokens", "flops_tokens", "latency_px"}
+    assert out_png.stat().st_size > 1000
+
+
+def test_cli_rejects_unknown_target():
+    from typer.testing import CliRunner
+
+    from vca_patch.cli.app import app
+
+    result = CliRunner().invoke(app, ["bench", "vit_tiny_patch16_224", "--target", "nope", "--no-memory"])
+    assert result.exit_code == 2
+    assert "unknown target" in result.output
+
+
+# --- torch.compile ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("softmax", ["joint", "separate"])
+def test_vca_compiles_without_graph_breaks(softmax):
+    torch._dynamo.reset()
+    module = VisualContrastAttention(32, 4, contrast_grid=(2, 2), softmax=softmax)
+    module.reset_vca_parameters("paper")
+    layout = TokenLayout(1, (4, 5))
+    x = torch.randn(2, 21, 32, requires_grad=True)
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")  # fullgraph: any break raises
+    out = compiled(x, layout=layout)
+    torch.testing.assert_close(out, module(x, layout=layout), atol=1e-5, rtol=1e-5)
+    out.square().sum().backward()
+    assert x.grad is not None and module.lambda2.q1.grad is not None
+    explained = torch._dynamo.explain(module)(x, layout=layout)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1

@@ -1,0 +1,39 @@
+"""Benchmarks of original vs patched models: analytic MACs, interleaved latency, peak memory."""
+
+from .crossover import crossover
+from .flops import (
+    ATTENTION_MACS,
+    AttentionShape,
+    ModelShape,
+    attention_macs,
+    model_macs,
+    model_shape,
+    register_attention_macs,
+    softmax_attention_macs,
+    vca_attention_macs,
+)
+from .memory import peak_mib
+from .sweep import BenchSettings, run_sweep
+from .timing import time_interleaved
+from .variants import ORIGINAL, UNFUSED, Variant, build_variants
+
+__all__ = [
+    "ATTENTION_MACS",
+    "ORIGINAL",
+    "UNFUSED",
+    "AttentionShape",
+    "BenchSettings",
+    "ModelShape",
+    "Variant",
+    "attention_macs",
+    "build_variants",
+    "crossover",
+    "model_macs",
+    "model_shape",
+    "peak_mib",
+    "register_attention_macs",
+    "run_sweep",
+    "softmax_attention_macs",
+    "time_interleaved",
+    "vca_attention_macs",
+]

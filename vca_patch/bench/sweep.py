@@ -1,0 +1,210 @@
+"""A resolution sweep: interleaved latency, peak memory and analytic MACs of every variant."""
+
+from __future__ import annotations
+
+import math
+import platform
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .crossover import crossover
+from .flops import model_macs, model_shape
+from .memory import peak_mib
+from .timing import median, time_interleaved
+from .variants import ORIGINAL, UNFUSED, Variant
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class BenchSettings:
+    resolutions: list[int]
+    batch: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    warmup: int = 1
+    repeats: int = 5
+    memory: bool = True  # peak memory of inference and of one training step
+    unfused_max_tokens: int = 4200  # skip the explicit-softmax original above this (N² memory)
+    threads: int | None = None
+
+
+@dataclass
+class Measurement:
+    """One variant at one resolution. Times in ms, memory in MiB over the idle model, MACs per image."""
+
+    variant: str
+    resolution: int
+    tokens: int
+    gmacs: float
+    latency_ms: float | None = None
+    latency_ms_runs: list[float] = field(default_factory=list)
+    throughput: float | None = None  # images / s
+    memory_infer_mib: float | None = None
+    memory_train_mib: float | None = None
+
+
+@dataclass
+class Ratio:
+    """A target over the original (fused) at one resolution; `*_unfused` over the explicit-softmax original."""
+
+    target: str
+    resolution: int
+    tokens: int
+    flop_ratio: float
+    latency_ratio: float | None
+    latency_over_flop: float | None
+    latency_ratio_unfused: float | None
+    memory_infer_ratio: float | None
+    memory_train_ratio: float | None
+
+
+def _autocast(device: torch.device, dtype: str):
+    if dtype == "float32":
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=DTYPES[dtype])
+
+
+def _forward(model: torch.nn.Module, x: torch.Tensor, device: torch.device, dtype: str) -> Callable[[], object]:
+    def run() -> object:
+        with torch.inference_mode(), _autocast(device, dtype):
+            return model(x)
+
+    return run
+
+
+def _train_step(model: torch.nn.Module, x: torch.Tensor, device: torch.device, dtype: str) -> Callable[[], object]:
+    def run() -> object:
+        model.zero_grad(set_to_none=True)
+        with _autocast(device, dtype):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        return None
+
+    return run
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b <= 0 else a / b
+
+
+def _divide_safely(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def run_sweep(variants: list[Variant], settings: BenchSettings, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure every variant at every resolution; return a JSON-safe result (meta, results, ratios, crossover)."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    device = torch.device(settings.device)
+    shape = model_shape(variants[0].model)
+    for v in variants:
+        v.model.to(device)
+    measurements: dict[tuple[str, int], Measurement] = {}
+
+    def active(v: Variant, tokens: int) -> bool:
+        return v.name != UNFUSED or tokens <= settings.unfused_max_tokens
+
+    inputs: dict[int, torch.Tensor] = {}
+    for px in settings.resolutions:
+        grid = shape.grid((px, px))
+        tokens = shape.num_prefix_tokens + grid[0] * grid[1]
+        gen = torch.Generator().manual_seed(px)
+        x = torch.randn(settings.batch, shape.in_chans, px, px, generator=gen).to(device)
+        inputs[px] = x
+        for v in variants:
+            gmacs = model_macs(shape, (px, px), v.target, v.config) / 1e9
+            measurements[v.name, px] = Measurement(v.name, px, tokens, gmacs)
+        runs = {v.name: _forward(v.model, x, device, settings.dtype) for v in variants if active(v, tokens)}
+        log(f"timing {px}px ({tokens} tokens): {', '.join(runs)}")
+        for name, times in time_interleaved(runs, device, warmup=settings.warmup, repeats=settings.repeats).items():
+            m = measurements[name, px]
+            m.latency_ms_runs = [t * 1e3 for t in times]
+            m.latency_ms = median(times) * 1e3
+            m.throughput = settings.batch / median(times)
+
+    if settings.memory:  # after all timing: the CPU method changes malloc for the rest of the process
+        for px in settings.resolutions:
+            x = inputs[px]
+            for v in variants:
+                m = measurements[v.name, px]
+                if not active(v, m.tokens):
+                    continue
+                log(f"memory {px}px: {v.name}")
+                infer = _forward(v.model, x, device, settings.dtype)
+                infer()  # first-call allocations (kernel caches) are not per-call memory
+                m.memory_infer_mib = peak_mib(infer, device)
+                if v.name != UNFUSED:  # explicit-softmax training memory is N²·heads per layer: skipped
+                    step = _train_step(v.model, x, device, settings.dtype)
+                    step()
+                    m.memory_train_mib = peak_mib(step, device)
+                    v.model.zero_grad(set_to_none=True)
+    return _assemble(variants, settings, measurements, shape)
+
+
+def _assemble(variants, settings, measurements, shape) -> dict[str, Any]:
+    ratios: list[Ratio] = []
+    crossovers: dict[str, dict[str, float | None]] = {}
+    for v in variants:
+        if v.name in (ORIGINAL, UNFUSED):
+            continue
+        rows = []
+        for px in settings.resolutions:
+            t, o = measurements[v.name, px], measurements[ORIGINAL, px]
+            u = measurements.get((UNFUSED, px))
+            flop = t.gmacs / o.gmacs
+            lat = _ratio(t.latency_ms, o.latency_ms)
+            rows.append(
+                Ratio(
+                    v.name,
+                    px,
+                    t.tokens,
+                    flop,
+                    lat,
+                    _divide_safely(lat, flop),
+                    _ratio(t.latency_ms, u.latency_ms if u else None),
+                    _ratio(t.memory_infer_mib, o.memory_infer_mib),
+                    _ratio(t.memory_train_mib, o.memory_train_mib),
+                )
+            )
+        ratios += rows
+        tokens = [r.tokens for r in rows]
+        pixels = [r.resolution for r in rows]
+        lat_tokens = crossover(tokens, [r.latency_ratio for r in rows])
+        crossovers[v.name] = {
+            "latency_tokens": lat_tokens,
+            "latency_px": _tokens_to_px(lat_tokens, shape),
+            "flops_tokens": crossover(tokens, [r.flop_ratio for r in rows]),
+            "latency_px_interpolated": crossover(pixels, [r.latency_ratio for r in rows]),
+        }
+    return {
+        "meta": _meta(variants, settings, shape),
+        "results": [asdict(m) for m in measurements.values()],
+        "ratios": [asdict(r) for r in ratios],
+        "crossover": crossovers,
+    }
+
+
+def _tokens_to_px(tokens: float | None, shape) -> float | None:
+    if tokens is None:
+        return None
+    return math.sqrt(max(tokens - shape.num_prefix_tokens, 0.0)) * shape.patch_size[0]
+
+
+def _meta(variants, settings, shape) -> dict[str, Any]:
+    import timm
+
+    return {
+        "settings": asdict(settings),
+        "threads": torch.get_num_threads(),
+        "model_shape": asdict(shape),
+        "variants": {v.name: {"target": v.target, "config": v.config and v.config.to_dict()} for v in variants},
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "units": {"latency": "ms (median)", "memory": "MiB over the idle model", "gmacs": "1e9 MACs per image"},
+    }

@@ -1,0 +1,110 @@
+"""`vca-patch bench`: original and patched models side by side over a sweep of resolutions."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..config import CONFIG_TYPES, ConfigError, TargetConfig
+from .common import console, fail, parse_layers
+
+
+def _parse_ints(spec: str, option: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in spec.split(",") if v.strip()})
+    except ValueError:
+        raise typer.BadParameter(f"{spec!r} is not a comma-separated list of integers", param_hint=option) from None
+    if not values or values[0] < 1:
+        raise typer.BadParameter("give positive integers, e.g. 224,512", param_hint=option)
+    return values
+
+
+def _target_configs(spec: str, layers: list[int] | None) -> list[TargetConfig]:
+    configs = []
+    for name in (s.strip() for s in spec.split(",") if s.strip()):
+        config_cls = CONFIG_TYPES.get(name)
+        if config_cls is None:
+            fail(f"unknown target {name!r}; known: {', '.join(sorted(CONFIG_TYPES))}", 2)
+        fields = {f.name for f in dataclasses.fields(config_cls)}
+        try:
+            configs.append(config_cls(layers=layers) if "layers" in fields else config_cls())
+        except ConfigError as exc:
+            fail(str(exc), 2)
+    if not configs:
+        fail("--target names no target", 2)
+    return configs
+
+
+def bench(
+    model: Annotated[str, typer.Argument(help="timm model name (random weights), e.g. deit_small_patch16_224")],
+    resolutions: Annotated[str, typer.Option(help="Square input sizes in pixels")] = "224,512,1024,2048",
+    batch: Annotated[int, typer.Option(help="Images per forward pass")] = 1,
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32, or bfloat16/float16 autocast")] = "float32",
+    target: Annotated[str, typer.Option(help="Targets to bench beside the original, comma-separated")] = "vca",
+    depth: Annotated[int | None, typer.Option(help="Override the model's number of blocks")] = None,
+    layers: Annotated[str | None, typer.Option(help="Blocks to patch, e.g. '0-5,8' (default: all)")] = None,
+    repeats: Annotated[int, typer.Option(help="Timed runs per variant (median reported)")] = 5,
+    warmup: Annotated[int, typer.Option(help="Untimed runs per variant first")] = 1,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's)")] = None,
+    memory: Annotated[bool, typer.Option(help="Measure peak memory of inference and of a training step")] = True,
+    unfused: Annotated[bool, typer.Option(help="Also bench the original with explicit softmax attention")] = True,
+    unfused_max_tokens: Annotated[int, typer.Option(help="Skip the explicit-softmax original above this")] = 4200,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write all numbers to this JSON file")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a latency/memory plot (PNG; needs matplotlib)")] = None,
+) -> None:
+    """Latency, throughput, peak memory and analytic MACs of MODEL, original vs patched, per resolution."""
+    import torch
+
+    from ..bench import BenchSettings, build_variants, run_sweep
+    from ..bench.report import crossover_lines, ratios_table, results_table, write_json, write_plot
+    from ..bench.sweep import DTYPES
+    from ..io import UnknownModelError
+    from ..surgery import PatchError
+
+    if dtype not in DTYPES:
+        fail(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", 2)
+    if device not in ("cpu", "cuda"):
+        fail(f"--device must be cpu or cuda, got {device!r}", 2)
+    if device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda: no CUDA device is available", 2)
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            fail("--plot needs matplotlib: pip install 'vca-patch[bench]'", 2)
+    settings = BenchSettings(
+        resolutions=_parse_ints(resolutions, "--resolutions"),
+        batch=batch,
+        device=device,
+        dtype=dtype,
+        warmup=warmup,
+        repeats=repeats,
+        memory=memory,
+        unfused_max_tokens=unfused_max_tokens if unfused else 0,
+        threads=threads,
+    )
+    configs = _target_configs(target, parse_layers(layers))
+    model_args = {"depth": depth} if depth is not None else {}
+    with console.status(f"Building {model} and its variants..."):
+        try:
+            variants = build_variants(model, configs, model_args=model_args, unfused=unfused)
+        except (UnknownModelError, PatchError) as exc:
+            fail(str(exc))
+    with console.status("Measuring...") as status:
+        result = run_sweep(variants, settings, log=lambda msg: status.update(msg))
+    result["meta"]["model"] = model
+    result["meta"]["model_args"] = model_args
+    console.print(results_table(result))
+    console.print(ratios_table(result))
+    for line in crossover_lines(result):
+        console.print(line)
+    if json_path is not None:
+        write_json(result, json_path)
+        console.print(f"[bold green]Wrote[/] {json_path}")
+    if plot is not None:
+        write_plot(result, plot)
+        console.print(f"[bold green]Wrote[/] {plot}")
