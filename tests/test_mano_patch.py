@@ -121,3 +121,12 @@ def test_cli_convert_to_mano_end_to_end(tmp_path):
         ],
     )
     assert bad.exit_code == 2 and "rate must be an integer ≥ 2" in bad.output
+
+
+def test_dynamic_image_size_replans_levels_per_call():
+    model, _ = tiny(dynamic_img_size=True)
+    patch_model(model, MANOConfig(window=2))
+    for px, grid in ((64, (4, 4)), (112, (7, 7)), (80, (5, 7))):
+        x = torch.randn(1, 3, px, 16 * grid[1])
+        out = _outputs(model, x)
+        assert out.shape == (1, 1000) and torch.isfinite(out).all()

@@ -88,7 +88,10 @@ class MultipoleAttention(nn.Module):
             raise ValueError(f"up must be 'conv' or 'nearest', got {up!r}")
         if prefix not in ("global", "separate"):
             raise ValueError(f"prefix must be 'global' or 'separate', got {prefix!r}")
-        plan_levels((1, 1), window, rate, None)  # validates window and rate
+        if rate < 2:
+            raise ValueError(f"rate must be an integer ≥ 2, got {rate}")
+        if window < 1:
+            raise ValueError(f"window must be a positive integer, got {window}")
         if levels is not None and levels < 1:
             raise ValueError(f"levels must be ≥ 1 or None (auto), got {levels}")
         self.num_heads = num_heads
