@@ -7,6 +7,7 @@ import typer
 from .bench import bench
 from .convert import convert
 from .inspect import inspect
+from .push import push
 
 app = typer.Typer(
     name="vca-patch",
@@ -18,6 +19,7 @@ app = typer.Typer(
 app.command()(bench)
 app.command()(convert)
 app.command()(inspect)
+app.command()(push)
 
 
 @app.command()
