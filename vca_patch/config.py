@@ -107,6 +107,10 @@ class VCAConfig(TargetConfig):
         init: "preserve" (carry q/k/v/proj, function-preserving new parameters) or "paper"
             (the paper's from-scratch init of the new parameters).
         rms_eps: epsilon of the two sub-layer RMSNorms.
+        prefix_readout: "contrast" (paper) or "exact": prefix tokens (CLS, registers) read all N keys
+            with plain softmax attention (O(N·P), still linear in N).
+        stage2_temperature: add a learnable per-head Stage-II temperature (init 1 = the paper form).
+        layer_contrast_tokens: per-block overrides of contrast_tokens, {block index: n}.
         layers: 0-based block indices to patch; None patches every attention block.
         seed: seed of the random parts of the init (λ vectors; e± and DWC in "paper" mode).
     """
@@ -117,10 +121,18 @@ class VCAConfig(TargetConfig):
     softmax: str = "joint"
     init: str = "preserve"
     rms_eps: float = 1e-5
+    prefix_readout: str = "contrast"
+    stage2_temperature: bool = False
+    layer_contrast_tokens: dict[int, int] | None = None
 
     @property
     def contrast_grid(self) -> tuple[int, int]:
         side = math.isqrt(self.contrast_tokens)
+        return side, side
+
+    def contrast_grid_for(self, layer_index: int) -> tuple[int, int]:
+        """(h, w) of block `layer_index`'s contrast tokens (layer_contrast_tokens overrides contrast_tokens)."""
+        side = math.isqrt((self.layer_contrast_tokens or {}).get(layer_index, self.contrast_tokens))
         return side, side
 
     def validate(self) -> None:
@@ -134,14 +146,34 @@ class VCAConfig(TargetConfig):
             raise ConfigError(f"init must be 'preserve' or 'paper', got {self.init!r}")
         if isinstance(self.rms_eps, bool) or not isinstance(self.rms_eps, (int, float)) or not self.rms_eps > 0:
             raise ConfigError(f"rms_eps must be a positive number, got {self.rms_eps!r}")
+        if self.prefix_readout not in ("contrast", "exact"):
+            raise ConfigError(f"prefix_readout must be 'contrast' or 'exact', got {self.prefix_readout!r}")
+        if not isinstance(self.stage2_temperature, bool):
+            raise ConfigError(f"stage2_temperature must be true or false, got {self.stage2_temperature!r}")
+        if self.layer_contrast_tokens is not None:
+            if not isinstance(self.layer_contrast_tokens, dict):
+                raise ConfigError(f"layer_contrast_tokens must map block -> n, got {self.layer_contrast_tokens!r}")
+            overrides: dict[int, int] = {}
+            for key, value in self.layer_contrast_tokens.items():  # JSON turns the int keys into strings
+                try:
+                    index = int(key)
+                except (TypeError, ValueError):
+                    raise ConfigError(f"layer_contrast_tokens key {key!r} is not a block index") from None
+                valid = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+                if not valid or math.isqrt(value) ** 2 != value:
+                    raise ConfigError(f"layer_contrast_tokens[{key}] must be a positive perfect square, got {value!r}")
+                overrides[index] = value
+            self.layer_contrast_tokens = overrides or None
 
     def build_layer(self, carried: CarriedAttention, layer_index: int) -> VisualContrastAttention:
         vca = VisualContrastAttention.from_carried(
             carried,
-            contrast_grid=self.contrast_grid,
+            contrast_grid=self.contrast_grid_for(layer_index),
             layer_index=layer_index,
             softmax=self.softmax,
             rms_eps=self.rms_eps,
+            prefix_readout=self.prefix_readout,
+            stage2_temperature=self.stage2_temperature,
         )
         vca.reset_vca_parameters(self.init)
         return vca

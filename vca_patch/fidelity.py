@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,3 +46,199 @@ def compare_outputs(reference: torch.Tensor, candidate: torch.Tensor) -> dict[st
     if reference.ndim == 2 and reference.shape[1] > 1:
         metrics["top1_agreement"] = float((reference.argmax(1) == candidate.argmax(1)).double().mean())
     return metrics
+
+
+def _features(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if hasattr(model, "forward_features"):
+        return model.forward_features(x)
+    return model(x)
+
+
+def _logits(model: nn.Module, features: torch.Tensor) -> torch.Tensor | None:
+    if getattr(model, "num_classes", 0) and hasattr(model, "forward_head"):
+        return model.forward_head(features)
+    return None
+
+
+@dataclass
+class FidelityReport:
+    """How close a patched model is to its original on real batches.
+
+    layer_error: per patched layer, relative error of the attention output when the layer gets the
+    original model's input (teacher-forced); layer_error_free: the same, each model on its own
+    activations (errors accumulate with depth). cls_cosine / patch_cosine / pooled_cosine: final
+    features (forward_features) of the prefix token 0, of each patch token (mean), and of the
+    mean-pooled patch tokens. top1_agreement and top1 (original, patched) when there is a head
+    (top1 needs labels).
+    """
+
+    layers: list[str]
+    layer_error: list[float]
+    layer_error_free: list[float]
+    cls_cosine: float | None
+    patch_cosine: float
+    pooled_cosine: float
+    top1_agreement: float | None = None
+    top1_original: float | None = None
+    top1_patched: float | None = None
+    num_images: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> dict[str, float]:
+        """The headline numbers (None entries dropped)."""
+        out = {
+            "cls_cosine": self.cls_cosine,
+            "patch_cosine": self.patch_cosine,
+            "pooled_cosine": self.pooled_cosine,
+            "mean_layer_error": sum(self.layer_error) / max(1, len(self.layer_error)),
+            "max_layer_error": max(self.layer_error, default=0.0),
+            "top1_agreement": self.top1_agreement,
+            "top1_original": self.top1_original,
+            "top1_patched": self.top1_patched,
+        }
+        return {k: v for k, v in out.items() if v is not None}
+
+    def plot(self, path: str | Path) -> Path:
+        """Write a PNG of the per-layer errors (needs matplotlib: pip install 'vca-patch[plot]')."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError("plotting needs matplotlib: pip install 'vca-patch[plot]'") from exc
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+        xs = list(range(len(self.layers)))
+        ax.plot(xs, self.layer_error, "o-", label="teacher-forced")
+        ax.plot(xs, self.layer_error_free, "s--", label="free-running")
+        ax.set_xlabel("patched layer")
+        ax.set_ylabel("relative error of attention output")
+        ax.set_xticks(xs)
+        title = f"CLS cos {self.cls_cosine:.3f}, " if self.cls_cosine is not None else ""
+        ax.set_title(f"{title}patch cos {self.patch_cosine:.3f}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+
+class _Accumulator:
+    def __init__(self) -> None:
+        self.sq_err = 0.0
+        self.sq_ref = 0.0
+
+    def add(self, candidate: torch.Tensor, reference: torch.Tensor) -> None:
+        self.sq_err += float((candidate.double() - reference.double()).pow(2).sum())
+        self.sq_ref += float(reference.double().pow(2).sum())
+
+    def value(self) -> float:
+        return math.sqrt(self.sq_err / max(self.sq_ref, 1e-30))
+
+
+@torch.no_grad()
+def fidelity(original: nn.Module | None, patched: nn.Module, batches: Iterable) -> FidelityReport:
+    """Measure `patched` against `original` on `batches` (tensors, (images, labels) pairs or dicts).
+
+    `original=None` uses the patched model's own original attention modules (swapped in for the
+    reference pass), so no copy of the model is needed.
+    """
+    from .recovery.capture import batch_images, original_attention, patched_modules
+
+    paths = list(patched_modules(patched))
+    state_tracker = patched.vca_patch_state.tracker
+    reference_model = original if original is not None else patched
+    ref_paths = paths
+    errors = {p: _Accumulator() for p in paths}
+    errors_free = {p: _Accumulator() for p in paths}
+    cls_cos, patch_cos, pooled_cos, agree = [], [], [], []
+    correct_ref = correct_new = labelled = 0
+    num_images = 0
+    patched_was, ref_was = patched.training, reference_model.training
+    patched.eval()
+    reference_model.eval()
+    try:
+        for batch in batches:
+            x = batch_images(batch)
+            device = next(patched.parameters()).device
+            x = x.to(device)
+            captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+            def ref_hook(module, args, output, path=None, store=captured):
+                store[path] = (args[0], output)
+
+            ctx = original_attention(patched) if original is None else contextlib.nullcontext()
+            with ctx:
+                handles = [
+                    reference_model.get_submodule(p).register_forward_hook(functools.partial(ref_hook, path=p))
+                    for p in ref_paths
+                ]
+                try:
+                    ref_feat = _features(reference_model, x)
+                    ref_logits = _logits(reference_model, ref_feat)
+                finally:
+                    for h in handles:
+                        h.remove()
+            free: dict[str, torch.Tensor] = {}
+
+            def free_hook(module, args, output, path=None, store=free):
+                store[path] = output
+
+            handles = [
+                patched.get_submodule(p).register_forward_hook(functools.partial(free_hook, path=p)) for p in paths
+            ]
+            try:
+                new_feat = _features(patched, x)
+                new_logits = _logits(patched, new_feat)
+            finally:
+                for h in handles:
+                    h.remove()
+            layout = state_tracker.current()
+            for p in paths:
+                ref_in, ref_out = captured[p]
+                errors[p].add(patched.get_submodule(p)(ref_in, layout=layout), ref_out)
+                errors_free[p].add(free[p], ref_out)
+            P = layout.num_prefix_tokens
+            if ref_feat.ndim == 3:
+                if P > 0:
+                    cls_cos.append(F.cosine_similarity(ref_feat[:, 0].double(), new_feat[:, 0].double(), dim=-1))
+                patch_cos.append(
+                    F.cosine_similarity(ref_feat[:, P:].double(), new_feat[:, P:].double(), dim=-1).mean(1)
+                )
+                pooled_cos.append(
+                    F.cosine_similarity(ref_feat[:, P:].double().mean(1), new_feat[:, P:].double().mean(1), dim=-1)
+                )
+            else:
+                patch_cos.append(
+                    F.cosine_similarity(ref_feat.flatten(1).double(), new_feat.flatten(1).double(), dim=-1)
+                )
+                pooled_cos.append(patch_cos[-1])
+            if ref_logits is not None and new_logits is not None:
+                agree.append((ref_logits.argmax(-1) == new_logits.argmax(-1)).double())
+                if isinstance(batch, (list, tuple)) and len(batch) > 1 and isinstance(batch[1], torch.Tensor):
+                    y = batch[1].to(device)
+                    correct_ref += int((ref_logits.argmax(-1) == y).sum())
+                    correct_new += int((new_logits.argmax(-1) == y).sum())
+                    labelled += len(y)
+            num_images += len(x)
+    finally:
+        patched.train(patched_was)
+        reference_model.train(ref_was)
+    if num_images == 0:
+        raise ValueError("fidelity needs at least one batch")
+    return FidelityReport(
+        layers=paths,
+        layer_error=[errors[p].value() for p in paths],
+        layer_error_free=[errors_free[p].value() for p in paths],
+        cls_cosine=float(torch.cat(cls_cos).mean()) if cls_cos else None,
+        patch_cosine=float(torch.cat(patch_cos).mean()),
+        pooled_cosine=float(torch.cat(pooled_cos).mean()),
+        top1_agreement=float(torch.cat(agree).mean()) if agree else None,
+        top1_original=correct_ref / labelled if labelled else None,
+        top1_patched=correct_new / labelled if labelled else None,
+        num_images=num_images,
+    )

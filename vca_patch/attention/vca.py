@@ -29,6 +29,7 @@ from .layout import TokenLayout
 
 SoftmaxMode = Literal["joint", "separate"]
 InitMode = Literal["preserve", "paper"]
+PrefixReadout = Literal["contrast", "exact"]
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.RMSNorm, scale: float = 1.0) -> torch.Tensor:
@@ -65,6 +66,10 @@ class VisualContrastAttention(nn.Module):
         softmax: Stage-II softmax, "joint" over the 2n tokens or "separate" per stream.
         rms_eps: epsilon of both sub-layer RMSNorms.
         qkv, proj: existing fused q/k/v and output projections to reuse (built fresh when None).
+        prefix_readout: "contrast" (the paper: prefix tokens read the contrast tokens in Stage II) or
+            "exact" (prefix tokens read all N keys with plain softmax attention, O(N·P), no RMSNorm).
+        stage2_temperature: add a learnable per-head factor τ on the Stage-II logits (s·τ·q·tᵀ),
+            initialised to 1 (the exact paper form). Off: no extra parameter.
     """
 
     def __init__(
@@ -83,6 +88,8 @@ class VisualContrastAttention(nn.Module):
         proj_drop: float = 0.0,
         qkv: nn.Linear | None = None,
         proj: nn.Linear | None = None,
+        prefix_readout: PrefixReadout = "contrast",
+        stage2_temperature: bool = False,
     ) -> None:
         super().__init__()
         if head_dim is None:
@@ -91,6 +98,8 @@ class VisualContrastAttention(nn.Module):
             head_dim = dim // num_heads
         if softmax not in ("joint", "separate"):
             raise ValueError(f"softmax must be 'joint' or 'separate', got {softmax!r}")
+        if prefix_readout not in ("contrast", "exact"):
+            raise ValueError(f"prefix_readout must be 'contrast' or 'exact', got {prefix_readout!r}")
         if min(contrast_grid) < 1:
             raise ValueError(f"contrast_grid must be positive, got {contrast_grid}")
         self.num_heads = num_heads
@@ -102,6 +111,7 @@ class VisualContrastAttention(nn.Module):
         self.layer_index = layer_index
         self.lambda_init = lambda_init_for_depth(layer_index)
         self.softmax = softmax
+        self.prefix_readout = prefix_readout
         # Token layout for calls that do not pass one (set by model surgery).
         self.layout_source: Callable[[], TokenLayout] | None = None
 
@@ -125,6 +135,7 @@ class VisualContrastAttention(nn.Module):
         self.stage1_norm = nn.RMSNorm(head_dim, eps=rms_eps, **dd)
         self.stage2_norm = nn.RMSNorm(head_dim, eps=rms_eps, **dd)
         self.dwc = nn.Conv2d(attn_dim, attn_dim, 3, padding=1, groups=attn_dim, **dd)
+        self.stage2_temperature = nn.Parameter(torch.ones(num_heads, **dd)) if stage2_temperature else None
         self.reset_vca_parameters("preserve")
 
     @classmethod
@@ -147,6 +158,8 @@ class VisualContrastAttention(nn.Module):
         """
         self.stage1_norm.reset_parameters()
         self.stage2_norm.reset_parameters()
+        if self.stage2_temperature is not None:
+            self.stage2_temperature.fill_(1.0)
         if mode == "paper":
             nn.init.normal_(self.contrast_embed_pos)
             nn.init.normal_(self.contrast_embed_neg)
@@ -211,17 +224,23 @@ class VisualContrastAttention(nn.Module):
         u_pos, u_neg = F.scaled_dot_product_attention(contrast, k, v, scale=self.scale).split(n, dim=2)
         v_hat = _rms_norm(u_pos - lambda1 * u_neg, self.stage1_norm, 1 - self.lambda_init)  # [B, M, n, d]
 
-        # Stage II: every token reads the contrast tokens.
+        # Stage II: every token (only the patch tokens under exact prefix read-out) reads the contrast tokens.
+        exact_prefix = self.prefix_readout == "exact" and P > 0
+        q2 = q[:, :, P:] if exact_prefix else q
+        if self.stage2_temperature is not None:
+            q2 = q2 * self.stage2_temperature.to(q2.dtype).view(1, -1, 1, 1)
         if self.softmax == "joint":
             # softmax over [t₊; t₋] with values [v̂; −λ₂v̂] equals (A₊ − λ₂A₋)·v̂.
             o = F.scaled_dot_product_attention(
-                q, contrast, torch.cat([v_hat, -lambda2 * v_hat], dim=2), scale=self.scale
+                q2, contrast, torch.cat([v_hat, -lambda2 * v_hat], dim=2), scale=self.scale
             )
         else:
-            o_pos = F.scaled_dot_product_attention(q, t_pos, v_hat, scale=self.scale)
-            o_neg = F.scaled_dot_product_attention(q, t_neg, v_hat, scale=self.scale)
+            o_pos = F.scaled_dot_product_attention(q2, t_pos, v_hat, scale=self.scale)
+            o_neg = F.scaled_dot_product_attention(q2, t_neg, v_hat, scale=self.scale)
             o = o_pos - lambda2 * o_neg
-        o = _rms_norm(o, self.stage2_norm, 1 - self.lambda_init)  # [B, M, N, d]
+        o = _rms_norm(o, self.stage2_norm, 1 - self.lambda_init)  # [B, M, N or H*W, d]
+        if exact_prefix:  # prefix rows: plain softmax attention over all N keys, raw output
+            o = torch.cat([F.scaled_dot_product_attention(q[:, :, :P], k, v, scale=self.scale), o], dim=2)
         o = o.transpose(1, 2).reshape(B, N, self.attn_dim)
 
         # Local term: depthwise 3×3 conv on the patch values; prefix rows get none.
@@ -244,4 +263,6 @@ class VisualContrastAttention(nn.Module):
         return (
             f"heads={self.num_heads}, head_dim={self.head_dim}, contrast_grid={self.contrast_grid}, "
             f"layer_index={self.layer_index}, lambda_init={self.lambda_init:.4f}, softmax={self.softmax!r}"
+            + (f", prefix_readout={self.prefix_readout!r}" if self.prefix_readout != "contrast" else "")
+            + (", stage2_temperature=True" if self.stage2_temperature is not None else "")
         )

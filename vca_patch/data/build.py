@@ -1,0 +1,91 @@
+"""Datasets for recovery recipes: Fashion-MNIST idx files, ImageFolder trees, Hugging Face `datasets`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, Subset
+
+from .errors import DatasetError
+from .fashion_mnist import DEFAULT_ROOT, load_fashion_mnist
+
+
+def _limit(dataset: Dataset, limit: int | None) -> Dataset:
+    if limit is None or limit >= len(dataset):
+        return dataset
+    return Subset(dataset, range(limit))
+
+
+def _timm_transform(model_cfg: dict[str, Any], training: bool, augment: str) -> Any:
+    from timm.data import create_transform, resolve_data_config
+
+    cfg = resolve_data_config({}, pretrained_cfg=model_cfg)
+    if training and augment == "timm":
+        return create_transform(**cfg, is_training=True, auto_augment="rand-m9-mstd0.5-inc1", re_prob=0.25)
+    return create_transform(**cfg, is_training=False)
+
+
+class HFImageDataset(Dataset):
+    """A Hugging Face `datasets` split as (image tensor, label) pairs."""
+
+    def __init__(self, split: Any, transform: Any, image_key: str, label_key: str) -> None:
+        self.split, self.transform = split, transform
+        self.image_key, self.label_key = image_key, label_key
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        row = self.split[int(i)]
+        return self.transform(row[self.image_key].convert("RGB")), int(row[self.label_key])
+
+
+def build_dataset(
+    spec: Any, split: str, *, training: bool, img_size: int, model_cfg: dict[str, Any] | None = None
+) -> Dataset:
+    """The train or eval split described by a recipe's `data` section (a `DataSpec`)."""
+    limit = spec.train_limit if training else spec.eval_limit
+    name = spec.train_split if training else spec.eval_split
+    if spec.kind == "fashion_mnist":
+        root = spec.path or DEFAULT_ROOT
+        return load_fashion_mnist(name, root, limit=limit, img_size=spec.img_size or img_size)
+    cfg = dict(model_cfg or {})
+    cfg.setdefault("input_size", (3, img_size, img_size))
+    transform = _timm_transform(cfg, training, spec.augment)
+    if spec.kind == "imagefolder":
+        if not spec.path:
+            raise DatasetError("data.path must point at an ImageFolder root (with train/ and val/ folders)")
+        folder = Path(spec.path) / name
+        if not folder.is_dir():
+            raise DatasetError(f"ImageFolder split {folder} does not exist (data.path={spec.path!r}, split {name!r})")
+        from torchvision.datasets import ImageFolder
+
+        try:
+            dataset = ImageFolder(str(folder), transform=transform)
+        except (FileNotFoundError, OSError) as exc:
+            raise DatasetError(f"cannot read ImageFolder {folder}: {exc}") from exc
+        return _limit(dataset, limit)
+    if spec.kind == "hf":
+        try:
+            import datasets
+        except ImportError as exc:
+            raise DatasetError("data.kind 'hf' needs the `datasets` package: pip install datasets") from exc
+        if not spec.path:
+            raise DatasetError("data.path must name a Hugging Face dataset (e.g. 'imagenet-1k')")
+        try:
+            hf_split = datasets.load_dataset(spec.path, split=name)
+        except Exception as exc:  # datasets raises many types (offline, missing, auth)
+            raise DatasetError(f"cannot load Hugging Face dataset {spec.path!r} split {name!r}: {exc}") from exc
+        return _limit(HFImageDataset(hf_split, transform, spec.image_key, spec.label_key), limit)
+    raise DatasetError(f"unknown data.kind {spec.kind!r}")
+
+
+def mixup_fn(spec: Any, num_classes: int) -> Any | None:
+    """timm Mixup/CutMix for a recipe's data section, or None when both are off."""
+    if spec.mixup <= 0 and spec.cutmix <= 0:
+        return None
+    from timm.data import Mixup
+
+    return Mixup(mixup_alpha=spec.mixup, cutmix_alpha=spec.cutmix, num_classes=num_classes, label_smoothing=0.0)

@@ -1,0 +1,13 @@
+"""Training-free recovery: teacher capture and closed-form calibration of converted models."""
+
+from .calibrate import CalibrationReport, LayerCalibration, calibrate
+from .capture import capture_original_layers, original_attention, patched_modules
+
+__all__ = [
+    "CalibrationReport",
+    "LayerCalibration",
+    "calibrate",
+    "capture_original_layers",
+    "original_attention",
+    "patched_modules",
+]

@@ -1,0 +1,101 @@
+"""Teacher side of recovery: run a patched model with its original attention, capture per-layer tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..attention import TokenLayout, VisualContrastAttention
+from ..surgery import PatchError, get_patch_state
+
+
+def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent_path) if parent_path else model, child, module)
+
+
+def patched_modules(model: nn.Module) -> dict[str, VisualContrastAttention]:
+    """Module path -> VCA module of a patched model, in block order."""
+    state = get_patch_state(model)
+    if state is None:
+        raise PatchError("model is not patched by vca_patch; call vca_patch.patch_model(model) first")
+    return {path: model.get_submodule(path) for path in state.originals}
+
+
+@contextmanager
+def original_attention(model: nn.Module) -> Iterator[nn.Module]:
+    """Temporarily put the original softmax attention modules back (they share q/k/v/proj with VCA)."""
+    state = get_patch_state(model)
+    if state is None:
+        raise PatchError("model is not patched by vca_patch")
+    patched = patched_modules(model)
+    for path, original in state.originals.items():
+        _set(model, path, original)
+    try:
+        yield model
+    finally:
+        for path, module in patched.items():
+            _set(model, path, module)
+
+
+@dataclass
+class LayerCapture:
+    """One attention layer under the original model: its input, output and token layout."""
+
+    inputs: torch.Tensor  # [B, N, C]
+    outputs: torch.Tensor  # [B, N, C]
+    layout: TokenLayout
+
+
+def batch_images(batch) -> torch.Tensor:
+    """The image tensor of a batch given as a tensor, an (images, labels) pair or a dict."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, dict):
+        for key in ("pixel_values", "image", "images", "x"):
+            if key in batch:
+                return batch[key]
+        raise ValueError(f"batch dict has no image key (pixel_values/image/images/x): {sorted(batch)}")
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        return batch[0]
+    raise TypeError(f"cannot find images in a batch of type {type(batch).__name__}")
+
+
+@torch.no_grad()
+def capture_original_layers(model: nn.Module, batches: Iterable, device: torch.device | None = None) -> dict:
+    """Inputs/outputs of every patched layer when the model runs with its original attention.
+
+    Returns {path: LayerCapture}, tensors concatenated over batches (on `device`, default the model's).
+    """
+    state = get_patch_state(model)
+    paths = list(patched_modules(model))
+    inputs: dict[str, list[torch.Tensor]] = {p: [] for p in paths}
+    outputs: dict[str, list[torch.Tensor]] = {p: [] for p in paths}
+    layouts: dict[str, TokenLayout] = {}
+    device = device or next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    with original_attention(model):
+        handles = []
+        for path in paths:
+
+            def hook(module, args, output, path=path):
+                inputs[path].append(args[0].detach())
+                outputs[path].append(output.detach())
+                layouts[path] = state.tracker.current()
+
+            handles.append(model.get_submodule(path).register_forward_hook(hook))
+        try:
+            for batch in batches:
+                model(batch_images(batch).to(device))
+        finally:
+            for h in handles:
+                h.remove()
+    model.train(was_training)
+    if not all(inputs.values()):
+        raise ValueError("no calibration batches were given")
+    return {p: LayerCapture(torch.cat(inputs[p]), torch.cat(outputs[p]), layouts[p]) for p in paths}
