@@ -269,6 +269,10 @@ def test_cli_push_prints_the_commit_url_and_maps_errors_to_exit_codes(hub, conve
     assert f"{hub.url}/{REPO}/commit/{hub.repos[REPO].branches['main']}" in result.output.replace("\n", "")
     assert hub.commit_payloads[-1][0]["value"]["summary"] == "from the CLI"
 
+    (converted[3] / "README.md").write_text("---\nlicense: mit\n---\n# edited by hand\n")
+    assert runner.invoke(app, ["push", str(converted[3]), REPO]).exit_code == 0
+    assert hub.files(REPO)["README.md"] == b"---\nlicense: mit\n---\n# edited by hand\n"  # kept, not regenerated
+
     result = runner.invoke(app, ["push", str(converted[3]), "acme/bad--name"])
     assert result.exit_code == 2 and "not a valid Hub repo id" in result.output
     monkeypatch.delenv("HF_TOKEN")
