@@ -8,7 +8,7 @@ PIP := $(PYTHON) -m pip
 
 install:
 	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,hf]'
 
 demo: install
 	HF_HUB_OFFLINE=1 vca-patch convert deit_tiny_patch16_224 --no-pretrained --output out/deit_tiny_vca --force

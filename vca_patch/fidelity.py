@@ -24,7 +24,24 @@ def model_input_size(model: nn.Module) -> tuple[int, int, int]:
         return int(chans), int(embed.img_size[0]), int(embed.img_size[1])
     if "input_size" in cfg:
         return tuple(int(v) for v in cfg["input_size"])
+    config = getattr(model, "config", None)  # transformers
+    config = getattr(config, "vision_config", config)
+    size = getattr(config, "image_size", None)
+    if size:
+        height, width = (size, size) if isinstance(size, int) else size
+        return int(getattr(config, "num_channels", 3)), int(height), int(width)
     raise ValueError(f"cannot tell the input size of {type(model).__name__}")
+
+
+def output_tensor(output: Any) -> torch.Tensor:
+    """The main tensor of a model output: itself, or a transformers output's logits / pooled / last hidden state."""
+    if isinstance(output, torch.Tensor):
+        return output
+    for name in ("logits", "logits_per_image", "pooler_output", "last_hidden_state"):
+        value = getattr(output, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    raise TypeError(f"cannot find the output tensor in a {type(output).__name__}")
 
 
 def probe_batch(model: nn.Module, batch_size: int = 4, seed: int = 0) -> torch.Tensor:
@@ -34,8 +51,9 @@ def probe_batch(model: nn.Module, batch_size: int = 4, seed: int = 0) -> torch.T
 
 
 @torch.no_grad()
-def compare_outputs(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, Any]:
+def compare_outputs(reference: Any, candidate: Any) -> dict[str, Any]:
     """Relative error, mean per-sample cosine, max |Δ|, and top-1 agreement for class logits."""
+    reference, candidate = output_tensor(reference), output_tensor(candidate)
     ref = reference.detach().double().flatten(1)
     cand = candidate.detach().double().flatten(1)
     metrics: dict[str, Any] = {

@@ -5,9 +5,13 @@ from __future__ import annotations
 from torch import nn
 
 from .base import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite
+from .generic import GenericAdapter
+from .hf_vision import HFVisionAdapter
 from .timm_vit import TimmViTAdapter
 
-ADAPTERS: dict[str, type[ModelAdapter]] = {TimmViTAdapter.name: TimmViTAdapter}
+ADAPTERS: dict[str, type[ModelAdapter]] = {
+    adapter.name: adapter for adapter in (TimmViTAdapter, HFVisionAdapter, GenericAdapter)
+}
 
 
 def adapter_for(model: nn.Module) -> ModelAdapter | None:

@@ -6,9 +6,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..attention import CarriedAttention, TokenLayout
+from .verify import verification_error
 
 
 @dataclass
@@ -21,6 +23,7 @@ class AttentionSite:
     dim: int
     num_heads: int
     notes: list[str] = field(default_factory=list)  # what the conversion drops or changes
+    verified: bool | None = None  # a reference softmax attention reproduced the module (None: not checked)
 
     @property
     def class_name(self) -> str:
@@ -37,19 +40,18 @@ class SkippedSite:
 
 
 class LayoutTracker:
-    """Forward hook on a model's patch embedding that records the token layout of the current input.
+    """Forward hook on a model's embedding module that records the token layout of the current input.
 
     A callable object rather than a closure, so `copy.deepcopy(model)` copies it along with the
     modules that read it.
     """
 
-    def __init__(self, num_prefix_tokens: int, adapter: ModelAdapter) -> None:
-        self.num_prefix_tokens = num_prefix_tokens
+    def __init__(self, adapter: ModelAdapter) -> None:
         self.adapter = adapter
         self.layout: TokenLayout | None = None
 
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self.layout = TokenLayout(self.num_prefix_tokens, self.adapter.grid_from_embedding(module, args, output))
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self.layout = self.adapter.layout_from_embedding(module, args, kwargs, output)
 
     def current(self) -> TokenLayout:
         if self.layout is None:
@@ -70,14 +72,11 @@ class ModelAdapter(ABC):
     def find_sites(self, model: nn.Module) -> tuple[list[AttentionSite], list[SkippedSite]]: ...
 
     @abstractmethod
-    def num_prefix_tokens(self, model: nn.Module) -> int: ...
-
-    @abstractmethod
     def embedding_module(self, model: nn.Module) -> nn.Module:
-        """The module whose forward fixes the grid of the current input."""
+        """The module whose forward fixes the token layout of the current input."""
 
     @abstractmethod
-    def grid_from_embedding(self, module: nn.Module, args: tuple, output: Any) -> tuple[int, int]: ...
+    def layout_from_embedding(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> TokenLayout: ...
 
     @abstractmethod
     def carry(self, site: AttentionSite) -> CarriedAttention:
@@ -92,13 +91,29 @@ class ModelAdapter(ABC):
     def create_base(cls, description: dict[str, Any]) -> nn.Module:
         """Rebuild the unpatched architecture (random weights) from `describe_base`'s output."""
 
+    def call_original(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Run an original attention module on [B, N, C] tokens, returning [B, N, C_out]."""
+        return module(x)
+
+    @abstractmethod
+    def adapt_call(self, replacement: nn.Module, site: AttentionSite) -> None:
+        """Make `replacement` accept the family's call convention (hooks on the replacement only)."""
+
     def default_layout(self, model: nn.Module) -> TokenLayout | None:
         """The token layout at the model's native input size, when it has one."""
         return None
 
+    def verify(self, site: AttentionSite) -> AttentionSite:
+        """Check the site against a reference softmax attention built from its weights; records the outcome."""
+        error = verification_error(site.module, self.carry(site), self.call_original)
+        site.verified = None if error is None else error < 1e-4
+        if site.verified is False:
+            site.notes.append(f"reference softmax attention differs by {error:.2g} (relative)")
+        return site
+
     def install_layout_tracker(self, model: nn.Module) -> LayoutTracker:
-        tracker = LayoutTracker(self.num_prefix_tokens(model), self)
-        self.embedding_module(model).register_forward_hook(tracker)
+        tracker = LayoutTracker(self)
+        self.embedding_module(model).register_forward_hook(tracker, with_kwargs=True)
         return tracker
 
     @staticmethod
@@ -107,3 +122,4 @@ class ModelAdapter(ABC):
             for key, hook in list(module._forward_hooks.items()):
                 if isinstance(hook, LayoutTracker):
                     del module._forward_hooks[key]
+                    module._forward_hooks_with_kwargs.pop(key, None)

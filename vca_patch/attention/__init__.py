@@ -2,6 +2,7 @@
 
 from .carried import CarriedAttention
 from .differential_lambda import DifferentialLambda, lambda_init_for_depth
+from .fused_qkv import QKVWithSeparateBias, SplitQKV
 from .layout import TokenLayout
 from .mano import MultipoleAttention
 from .vca import VisualContrastAttention
@@ -10,6 +11,8 @@ __all__ = [
     "CarriedAttention",
     "DifferentialLambda",
     "MultipoleAttention",
+    "QKVWithSeparateBias",
+    "SplitQKV",
     "TokenLayout",
     "VisualContrastAttention",
     "lambda_init_for_depth",

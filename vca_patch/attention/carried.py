@@ -11,10 +11,11 @@ from torch import nn
 class CarriedAttention:
     """Library-neutral view of one attention module's weights (the modules themselves, not copies).
 
-    `qkv` is fused: output channels ordered (q | k | v), each as (head, head_dim).
+    `qkv` is fused (an nn.Linear, or a SplitQKV over separate projections): output channels ordered
+    (q | k | v), each as (head, head_dim).
     """
 
-    qkv: nn.Linear
+    qkv: nn.Module
     proj: nn.Linear
     num_heads: int
     head_dim: int

@@ -1,4 +1,4 @@
-"""Building the model to convert: a timm name or `hf-hub:` id, pretrained, local or random weights.
+"""Building the model to convert: a timm name, `hf-hub:` id or transformers model; pretrained, local or random weights.
 
 Network access is checked up front, so an offline machine gets a clear error in seconds instead
 of a long retry loop.
@@ -48,6 +48,14 @@ def _offline_error(what: str, reason: str) -> HubUnavailableError:
         f"{what} must come from the Hugging Face Hub, which is unreachable here ({reason}). "
         "Use --weights FILE for a local checkpoint, or --no-pretrained for random weights."
     )
+
+
+def is_transformers_source(name: str) -> bool:
+    """A local transformers model folder, or an ORG/NAME Hub id (timm names have no slash)."""
+    folder = Path(name)
+    if folder.is_dir():
+        return (folder / "config.json").is_file()
+    return "/" in name and not name.startswith(HUB_PREFIX) and not name.startswith((".", "/"))
 
 
 def check_timm_name(name: str) -> None:
@@ -105,6 +113,38 @@ def _create(name: str, pretrained: bool, model_args: dict[str, Any]) -> nn.Modul
     return timm.create_model(name, pretrained=pretrained, **model_args)
 
 
+def load_transformers_model(name: str, *, pretrained: bool = True, weights: Path | None = None) -> nn.Module:
+    """A transformers model from a local folder or Hub id, with its own, local or random weights."""
+    try:
+        import transformers
+    except ImportError:
+        raise UnknownModelError(
+            f"{name} looks like a Hugging Face transformers model; install it with pip install 'vca-patch[hf]'"
+        ) from None
+    reason = None if Path(name).is_dir() else hub_offline_reason()
+    try:
+        config = transformers.AutoConfig.from_pretrained(name, local_files_only=reason is not None)
+    except (OSError, ValueError) as exc:
+        if reason:
+            raise _offline_error(f"the config of {name}", reason) from exc
+        raise UnknownModelError(f"{name} is neither a timm name nor a transformers model: {exc}") from exc
+    architecture = (config.architectures or ["AutoModel"])[0]
+    model_cls = getattr(transformers, architecture, transformers.AutoModel)
+    if weights is not None:
+        state_dict = read_state_dict(weights)
+        model = model_cls(config) if model_cls is not transformers.AutoModel else model_cls.from_config(config)
+        load_state_dict_checked(model, state_dict, str(weights))
+        return model
+    if not pretrained:
+        return model_cls(config) if model_cls is not transformers.AutoModel else model_cls.from_config(config)
+    try:
+        return model_cls.from_pretrained(name, local_files_only=reason is not None)
+    except OSError as exc:
+        if reason:
+            raise _offline_error(f"pretrained weights of {name}", reason) from exc
+        raise
+
+
 def load_base_model(
     name: str,
     *,
@@ -112,7 +152,10 @@ def load_base_model(
     weights: Path | None = None,
     model_args: dict[str, Any] | None = None,
 ) -> nn.Module:
-    """A timm model by name (or `hf-hub:` id) with Hub, local (`weights`) or random weights."""
+    """A timm model by name (or `hf-hub:` id), or a transformers model (ORG/NAME or a local folder), with
+    Hub, local (`weights`) or random weights."""
+    if is_transformers_source(name):
+        return load_transformers_model(name, pretrained=pretrained, weights=weights)
     check_timm_name(name)
     model_args = dict(model_args or {})
     if weights is not None:

@@ -43,9 +43,7 @@ def get_patch_state(model: nn.Module) -> PatchState | None:
     return model.__dict__.get(STATE_ATTR)
 
 
-def _select(
-    sites: list[AttentionSite], config: TargetConfig
-) -> tuple[list[AttentionSite], list[SkippedSite]]:
+def _select(sites: list[AttentionSite], config: TargetConfig) -> tuple[list[AttentionSite], list[SkippedSite]]:
     """Apply config.layers, config.include and config.exclude; a selection must match something."""
     available = sorted({s.layer_index for s in sites})
     if config.layers is not None:
@@ -80,24 +78,36 @@ def _swap(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
     return old
 
 
-def _plan(model: nn.Module, config: TargetConfig):
-    """Find, select and build every replacement without touching the model."""
+def _plan(model: nn.Module, config: TargetConfig, strict: bool):
+    """Find, verify, select and build every replacement without touching the model."""
     config.validate()
     adapter = adapter_for(model)
     if adapter is None:
         raise NothingToPatchError(
-            f"no adapter knows {type(model).__module__}.{type(model).__name__}; supported: timm ViT-family "
-            "models (VisionTransformer, DeiT, distilled DeiT, register ViTs)"
+            f"no adapter knows {type(model).__module__}.{type(model).__name__}; supported: timm ViT-style models and "
+            "Hugging Face transformers vision encoders, or models whose attention passes generic verification"
         )
-    sites, skipped = adapter.find_sites(model)
+    found, skipped = adapter.find_sites(model)
+    sites = []
+    for site in map(adapter.verify, found):
+        if site.verified is False:
+            skipped.append(SkippedSite(site.path, site.class_name, f"verification failed: {'; '.join(site.notes)}"))
+        else:
+            sites.append(site)
     if not sites:
         listed = "; ".join(f"{s.path} [{s.class_name}]: {s.reason}" for s in skipped) or "none found"
         raise NothingToPatchError(f"{type(model).__name__} has no attention module that can be converted ({listed})")
     chosen, unselected = _select(sites, config)
+    if strict:
+        refused = [f"{s.path}: {'; '.join(s.notes) or 'not verified'}" for s in chosen if s.notes or not s.verified]
+        if refused:
+            raise PatchError("strict mode refuses approximate or unverified conversions: " + "; ".join(refused))
     params_before = _count_params(model)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         replacements = {site.path: config.build_layer(adapter.carry(site), site.layer_index) for site in chosen}
+    for site in chosen:
+        adapter.adapt_call(replacements[site.path], site)
     return adapter, chosen, skipped + unselected, replacements, params_before
 
 
@@ -112,6 +122,7 @@ def _report(adapter, model, config, chosen, skipped, replacements, params_before
             settings=config.layer_settings(replacements[site.path]),
             params_added=_count_params(replacements[site.path]) - _count_params(site.module),
             notes=site.notes,
+            verified=site.verified,
         )
         for site in chosen
     ]
@@ -120,23 +131,25 @@ def _report(adapter, model, config, chosen, skipped, replacements, params_before
     return PatchReport(adapter.name, patched, skipped, params_before, params_after, layout)
 
 
-def inspect_model(model: nn.Module, config: TargetConfig | None = None) -> PatchReport:
+def inspect_model(model: nn.Module, config: TargetConfig | None = None, *, strict: bool = False) -> PatchReport:
     """Dry run: the report `patch_model` would give, leaving the model exactly as it is."""
     config = config or VCAConfig()
-    adapter, chosen, skipped, replacements, params_before = _plan(model, config)
+    adapter, chosen, skipped, replacements, params_before = _plan(model, config, strict)
     return _report(adapter, model, config, chosen, skipped, replacements, params_before)
 
 
-def patch_model(model: nn.Module, config: TargetConfig | None = None) -> PatchReport:
+def patch_model(model: nn.Module, config: TargetConfig | None = None, *, strict: bool = False) -> PatchReport:
     """Replace the model's softmax self-attention with `config`'s target (default VCA), in place.
 
-    Every replacement is built (from the original q/k/v/proj weights) before any is swapped in, so
-    an error leaves the model untouched. Returns a report of what was patched and what was skipped.
+    Every matched module is verified against a reference softmax attention built from its weights
+    (unless the adapter knows it is an approximation, which the report says), and every replacement is
+    built before any is swapped in, so an error leaves the model untouched. `strict=True` refuses
+    approximate or unverified conversions. Returns what was patched and what was skipped, and why.
     """
     config = config or VCAConfig()
     if get_patch_state(model) is not None:
         raise PatchError("model is already patched; call vca_patch.unpatch_model(model) first")
-    adapter, chosen, skipped, replacements, params_before = _plan(model, config)
+    adapter, chosen, skipped, replacements, params_before = _plan(model, config, strict)
 
     tracker = adapter.install_layout_tracker(model)
     originals: dict[str, nn.Module] = {}

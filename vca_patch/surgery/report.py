@@ -24,10 +24,11 @@ class PatchedSite:
     settings: dict[str, Any]  # the target's per-layer settings (JSON-safe), e.g. contrast tokens
     params_added: int
     notes: list[str] = field(default_factory=list)
+    verified: bool | None = None  # a reference softmax attention reproduced the original module
 
     @property
     def exact_carry_over(self) -> bool:
-        """True when every weight of the original module was carried over (nothing dropped)."""
+        """True when everything the original module computes was carried over (nothing dropped)."""
         return not self.notes
 
 

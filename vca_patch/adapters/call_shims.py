@@ -1,0 +1,44 @@
+"""Hooks that let a replacement module accept its family's attention call convention.
+
+Hooks are callable objects (not closures) so `copy.deepcopy(model)` keeps them working.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+_TOKEN_NAMES = ("x", "hidden_states")
+_MASK_NAMES = ("attn_mask", "attention_mask")
+
+
+class TokensOnly:
+    """Forward pre-hook: call the replacement with the token tensor alone.
+
+    Keyword arguments in `dropped` (e.g. `rope`, a relative-position bias) are discarded — the
+    adapter records that as an approximation. A non-None mask is an error unless `mask_is_bias`
+    (BEiT passes its relative-position bias as the mask), since VCA cannot apply one.
+    """
+
+    def __init__(self, dropped: tuple[str, ...] = (), mask_is_bias: bool = False) -> None:
+        self.dropped = dropped
+        self.mask_is_bias = mask_is_bias
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        args, kwargs = list(args), dict(kwargs)
+        if kwargs.get("is_causal"):
+            raise ValueError(f"{type(module).__name__} cannot apply causal attention")
+        x = args.pop(0) if args else next(kwargs.pop(name) for name in _TOKEN_NAMES if name in kwargs)
+        masks = [kwargs.pop(name, None) for name in _MASK_NAMES] + args[:1]  # HF passes the mask second
+        if any(isinstance(m, torch.Tensor) for m in masks) and not self.mask_is_bias:
+            raise ValueError(f"{type(module).__name__} cannot apply an attention mask to linear attention")
+        return (x,), {}
+
+
+class TupleOutput:
+    """Forward hook: return `(output, None)` as Hugging Face attention modules do."""
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return output, None

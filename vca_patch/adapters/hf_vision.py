@@ -1,0 +1,157 @@
+"""Hugging Face transformers vision encoders (5.x layout): ViT, DeiT, DINOv2 (+registers), CLIP/SigLIP vision,
+BEiT, ViT-MSN, I-JEPA and other encoders whose attention has q_proj/k_proj/v_proj and o_proj/out_proj."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention import CarriedAttention, SplitQKV, TokenLayout
+from .base import AttentionSite, ModelAdapter, SkippedSite
+from .call_shims import TokensOnly, TupleOutput
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
+_OUTPUT_NAMES = ("o_proj", "out_proj")
+_TEXT_TOWER = re.compile(r"(?:^|\.)text_(?:model|tower|encoder)(?:\.|$)")
+BIAS_APPROXIMATION = "relative position bias dropped (VCA has no pairwise token bias)"
+
+
+def _output_projection(module: nn.Module) -> nn.Linear | None:
+    for name in _OUTPUT_NAMES:
+        if isinstance(getattr(module, name, None), nn.Linear):
+            return getattr(module, name)
+    return None
+
+
+def _is_qkv_attention(module: nn.Module) -> bool:
+    projections = (getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj"))
+    return all(isinstance(p, nn.Linear) for p in projections) and _output_projection(module) is not None
+
+
+def _num_heads(module: nn.Module) -> int:
+    for name in ("num_heads", "num_attention_heads"):
+        if isinstance(getattr(module, name, None), int):
+            return getattr(module, name)
+    return module.config.num_attention_heads
+
+
+def _patch_conv(embeddings: nn.Module) -> nn.Conv2d:
+    convs = [m for m in embeddings.modules() if isinstance(m, nn.Conv2d)]
+    if not convs:
+        raise ValueError(f"{type(embeddings).__name__} has no patch convolution")
+    return convs[0]
+
+
+def _grid(conv: nn.Conv2d, height: int, width: int) -> tuple[int, int]:
+    (kh, kw), (sh, sw) = conv.kernel_size, conv.stride
+    return (height - kh) // sh + 1, (width - kw) // sw + 1
+
+
+def _uses_relative_position_bias(config: Any) -> bool:
+    return bool(
+        getattr(config, "use_relative_position_bias", False)
+        or getattr(config, "use_shared_relative_position_bias", False)
+    )
+
+
+class HFVisionAdapter(ModelAdapter):
+    """Converts the vision self-attention of Hugging Face transformers encoders; text towers are never touched."""
+
+    name = "hf-vision"
+
+    @classmethod
+    def applies_to(cls, model: nn.Module) -> bool:
+        return type(model).__module__.startswith("transformers.") and cls._find_embeddings(model) is not None
+
+    @staticmethod
+    def _find_embeddings(model: nn.Module) -> tuple[str, nn.Module] | None:
+        for path, module in model.named_modules():
+            is_vision_embedding = path.split(".")[-1] == "embeddings" and not _TEXT_TOWER.search(path)
+            if is_vision_embedding and any(isinstance(m, nn.Conv2d) for m in module.modules()):
+                return path, module
+        return None
+
+    def find_sites(self, model: nn.Module) -> tuple[list[AttentionSite], list[SkippedSite]]:
+        bias_dropped = _uses_relative_position_bias(model.config)
+        sites: list[AttentionSite] = []
+        skipped: list[SkippedSite] = []
+        for path, module in model.named_modules():
+            class_name = type(module).__name__
+            if isinstance(module, nn.MultiheadAttention):
+                skipped.append(
+                    SkippedSite(path, class_name, "attention pooling head (cross-attention), not token self-attention")
+                )
+            elif _is_qkv_attention(module):
+                match = _LAYER_INDEX.search(path + ".")
+                if _TEXT_TOWER.search(path) or "Text" in class_name:
+                    skipped.append(SkippedSite(path, class_name, "text tower (causal attention): never patched"))
+                elif match is None:
+                    skipped.append(SkippedSite(path, class_name, "not inside an encoder layer"))
+                else:
+                    notes = [BIAS_APPROXIMATION] if bias_dropped else []
+                    sites.append(
+                        AttentionSite(
+                            path, module, int(match.group(1)), module.q_proj.in_features, _num_heads(module), notes
+                        )
+                    )
+        return sites, skipped
+
+    def embedding_module(self, model: nn.Module) -> nn.Module:
+        return self._find_embeddings(model)[1]
+
+    def layout_from_embedding(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> TokenLayout:
+        pixels = args[0] if args else kwargs["pixel_values"]
+        tokens = output[0] if isinstance(output, tuple) else output  # BEiT also returns the patch grid
+        grid = _grid(_patch_conv(module), *pixels.shape[-2:])
+        return TokenLayout(int(tokens.shape[1]) - grid[0] * grid[1], grid)
+
+    @torch.no_grad()
+    def default_layout(self, model: nn.Module) -> TokenLayout | None:
+        embeddings = self.embedding_module(model)
+        conv = _patch_conv(embeddings)
+        size = getattr(getattr(model.config, "vision_config", model.config), "image_size", None)
+        if size is None or conv.weight.is_meta:
+            return None
+        height, width = (size, size) if isinstance(size, int) else size
+        pixels = torch.zeros(1, conv.in_channels, height, width, dtype=conv.weight.dtype, device=conv.weight.device)
+        return self.layout_from_embedding(embeddings, (pixels,), {}, embeddings(pixels))
+
+    def carry(self, site: AttentionSite) -> CarriedAttention:
+        attn = site.module
+        return CarriedAttention(
+            qkv=SplitQKV(attn.q_proj, attn.k_proj, attn.v_proj),
+            proj=_output_projection(attn),
+            num_heads=site.num_heads,
+            head_dim=attn.q_proj.out_features // site.num_heads,
+        )
+
+    def call_original(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return module(x)[0]
+
+    def adapt_call(self, replacement: nn.Module, site: AttentionSite) -> None:
+        replacement.register_forward_pre_hook(
+            TokensOnly(mask_is_bias=BIAS_APPROXIMATION in site.notes), with_kwargs=True
+        )
+        replacement.register_forward_hook(TupleOutput())
+
+    def describe_base(self, model: nn.Module) -> dict[str, Any]:
+        name = getattr(model.config, "_name_or_path", "") or None
+        return {
+            "library": "transformers",
+            "architecture": type(model).__name__,
+            "config": model.config.to_dict(),
+            "hf_hub_id": name if name and re.fullmatch(r"[\w.-]+/[\w.-]+", name) else None,
+            "license": None,
+        }
+
+    @classmethod
+    def create_base(cls, description: dict[str, Any]) -> nn.Module:
+        import transformers
+
+        config = dict(description["config"])
+        model_cls = getattr(transformers, description["architecture"])
+        config_obj = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+        return model_cls(config_obj)

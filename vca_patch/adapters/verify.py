@@ -1,0 +1,45 @@
+"""Verify a matched module: a plain softmax attention built from its extracted weights must reproduce it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..attention import CarriedAttention
+
+TOLERANCE = 1e-4  # relative error, float32
+
+
+def reference_softmax_attention(carried: CarriedAttention, x: torch.Tensor) -> torch.Tensor:
+    """Multi-head softmax self-attention from `carried`'s weights, written out: [B, N, C] -> [B, N, C_out]."""
+    B, N, _ = x.shape
+    M, d = carried.num_heads, carried.head_dim
+    q, k, v = carried.qkv(x).view(B, N, 3, M, d).permute(2, 0, 3, 1, 4).unbind(0)  # [B, M, N, d]
+    q, k = carried.q_norm(q), carried.k_norm(k)
+    weights = torch.softmax((q @ k.transpose(-1, -2)) * d**-0.5, dim=-1)  # [B, M, N, N]
+    out = carried.norm((weights @ v).transpose(1, 2).reshape(B, N, M * d))
+    if carried.gate is not None:
+        out = out * carried.gate(x).sigmoid()
+    return carried.proj(out)
+
+
+@torch.no_grad()
+def verification_error(
+    module: nn.Module, carried: CarriedAttention, call: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+) -> float | None:
+    """Relative error between `call(module, x)` and the reference on a random probe (None on the meta device)."""
+    weight = next(module.parameters())
+    if weight.is_meta:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 1 + 4 * 4, carried.dim, generator=generator).to(weight)
+    was_training = module.training
+    module.eval()
+    try:
+        expected = call(module, x)
+    finally:
+        module.train(was_training)
+    got = reference_softmax_attention(carried, x)
+    return float((got - expected).norm() / expected.norm().clamp_min(1e-12))

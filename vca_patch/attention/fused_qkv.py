@@ -1,0 +1,67 @@
+"""q/k/v projections stored in other layouts, presented as one fused qkv projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SplitQKV(nn.Module):
+    """Three Linear layers (kept as they are, under their own names) computed as one fused qkv matmul.
+
+    Output channels are ordered (q | k | v) like a fused `qkv` Linear; a projection without bias
+    (e.g. BEiT's k_proj) contributes zeros to the fused bias.
+    """
+
+    def __init__(self, q_proj: nn.Linear, k_proj: nn.Linear, v_proj: nn.Linear) -> None:
+        super().__init__()
+        if not q_proj.in_features == k_proj.in_features == v_proj.in_features:
+            raise ValueError("q/k/v projections must read the same width")
+        if not q_proj.out_features == k_proj.out_features == v_proj.out_features:
+            raise ValueError("q/k/v projections must have the same width")
+        self.q_proj, self.k_proj, self.v_proj = q_proj, k_proj, v_proj
+        self.in_features = q_proj.in_features
+        self.out_features = 3 * q_proj.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[3·C_out, C_in], the fused weight."""
+        return torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if all(p.bias is None for p in projections):
+            return None
+        return torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., C_in] -> [..., 3·C_out]."""
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVWithSeparateBias(nn.Module):
+    """A bias-free fused qkv Linear plus separate q and v biases (k has none), as in BEiT and EVA."""
+
+    def __init__(self, qkv: nn.Linear, q_bias: nn.Parameter | None, v_bias: nn.Parameter | None) -> None:
+        super().__init__()
+        if qkv.bias is not None:
+            raise ValueError("qkv already has a bias")
+        self.qkv = qkv
+        self.q_bias, self.v_bias = q_bias, v_bias
+        self.in_features, self.out_features = qkv.in_features, qkv.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.qkv.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        if self.q_bias is None:
+            return None
+        return torch.cat([self.q_bias, torch.zeros_like(self.q_bias), self.v_bias])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., C_in] -> [..., 3·C_out]."""
+        return F.linear(x, self.qkv.weight, self.bias)
