@@ -32,14 +32,39 @@ InitMode = Literal["preserve", "paper"]
 PrefixReadout = Literal["contrast", "exact"]
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm over the last dim that saves only its input and rsqrt (x̂ = x·rstd is recomputed in backward).
+
+    The composite F.rms_norm also saves x̂, one more [.., d] activation per call; here the input is
+    usually the SDPA output, which SDPA's backward keeps anyway, so training memory stays at the original's.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, rstd, weight = ctx.saved_tensors
+        x_hat = x * rstd
+        grad_weight = (grad * x_hat).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
+        grad_hat = grad * weight
+        grad_x = rstd * (grad_hat - x_hat * (grad_hat * x_hat).mean(-1, keepdim=True))
+        return grad_x, grad_weight, None
+
+
 def _rms_norm(x: torch.Tensor, norm: nn.RMSNorm, scale: float = 1.0) -> torch.Tensor:
     """scale·RMSNorm(x) computed in at least float32 (bf16/fp16 safe), returned in x's dtype.
 
     The scale is folded into the [d] weight, so it costs no pass over x.
     """
     dtype = torch.promote_types(x.dtype, torch.float32)
-    y = F.rms_norm(x.to(dtype), norm.normalized_shape, norm.weight.to(dtype) * scale, norm.eps)
-    return y.to(x.dtype)
+    x32, weight = x.to(dtype), norm.weight.to(dtype) * scale
+    if torch.is_grad_enabled() and (x32.requires_grad or weight.requires_grad):
+        return _RMSNormFunction.apply(x32, weight, norm.eps).to(x.dtype)
+    return F.rms_norm(x32, norm.normalized_shape, weight, norm.eps).to(x.dtype)
 
 
 def _patch_grid(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:

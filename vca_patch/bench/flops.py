@@ -138,3 +138,10 @@ def model_macs(shape: ModelShape, resolution: tuple[int, int], target: str = "so
         total += layer.num_tokens * shape.linear_macs_per_token
         total += attention_macs(target if patched else "softmax", layer, config)
     return total
+
+
+@register_attention_macs("mano")
+def _mano_from_config(shape: AttentionShape, config: Any) -> float:
+    from ..attention.mano_macs import mano_macs_from_config
+
+    return mano_macs_from_config(shape, config)
