@@ -4,12 +4,15 @@ __version__ = "0.1.0"
 
 from .attention import MultipoleAttention, TokenLayout, VisualContrastAttention
 from .config import ConfigError, MANOConfig, TargetConfig, VCAConfig
+from .fidelity import FidelityReport, fidelity  # the function shadows the module name on the package
 from .hub import from_pretrained, push_to_hub
 from .io import save_pretrained
+from .recovery import calibrate
 from .surgery import NothingToPatchError, PatchError, PatchReport, patch_model, unpatch_model
 
 __all__ = [
     "ConfigError",
+    "FidelityReport",
     "MANOConfig",
     "MultipoleAttention",
     "NothingToPatchError",
@@ -20,6 +23,8 @@ __all__ = [
     "VCAConfig",
     "VisualContrastAttention",
     "__version__",
+    "calibrate",
+    "fidelity",
     "from_pretrained",
     "patch_model",
     "push_to_hub",

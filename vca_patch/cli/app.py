@@ -6,6 +6,8 @@ import typer
 
 from .bench import bench
 from .convert import convert
+from .fidelity import fidelity
+from .finetune import finetune
 from .inspect import inspect
 from .push import push
 
@@ -18,6 +20,8 @@ app = typer.Typer(
 )
 app.command()(bench)
 app.command()(convert)
+app.command()(fidelity)
+app.command()(finetune)
 app.command()(inspect)
 app.command()(push)
 

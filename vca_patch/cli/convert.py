@@ -22,6 +22,7 @@ from ..io import (
 from ..io.atomic import check_output_dir
 from ..surgery import PatchError, PatchReport, patch_model
 from .common import console, fail, parse_layers
+from .fidelity import calibrate_for_convert, summary_table
 
 
 def _setting_cells(target: str, settings: dict) -> tuple[tuple[str, str], tuple[str, str]]:
@@ -84,6 +85,15 @@ def convert(
     prefix: Annotated[str, typer.Option(help="MANO: prefix tokens global or separate")] = "global",
     probe_size: Annotated[int, typer.Option(help="Images in the probe batch that measures the change")] = 4,
     seed: Annotated[int, typer.Option(help="Seed of the random parts of the init and of the probe batch")] = 0,
+    prefix_readout: Annotated[str, typer.Option(help="VCA: prefix tokens read contrast tokens or all keys (exact)")] = (
+        "contrast"
+    ),
+    stage2_temperature: Annotated[bool, typer.Option(help="VCA: per-head Stage-II temperature (init 1)")] = False,
+    calibration_data: Annotated[
+        Path | None, typer.Option(help="VCA: calibrate on real images (idx folder, ImageFolder root, HF name)")
+    ] = None,
+    calibration_kind: Annotated[str, typer.Option(help="fashion_mnist, imagefolder or hf")] = "imagefolder",
+    calibration_images: Annotated[int, typer.Option(help="Images used to calibrate, and to measure")] = 256,
     force: Annotated[bool, typer.Option("--force", help="Overwrite a non-empty output folder")] = False,
 ) -> None:
     """Convert MODEL's softmax attention to VCA (or MANO with --to mano) and save it to --output."""
@@ -92,8 +102,9 @@ def convert(
         config: TargetConfig
         if to == "vca":
             config = VCAConfig(
-                contrast_tokens=contrast_tokens, softmax=softmax, init=init, layers=parse_layers(layers), seed=seed
-            )
+                contrast_tokens=contrast_tokens, softmax=softmax, init=init, layers=parse_layers(layers), seed=seed,
+                prefix_readout=prefix_readout, stage2_temperature=stage2_temperature,
+            )  # fmt: skip
         elif to == "mano":
             config = MANOConfig(
                 window=window, rate=rate, levels=levels, down=down, up=up, init=init, prefix=prefix,
@@ -120,10 +131,15 @@ def convert(
         except PatchError as exc:
             fail(str(exc))
         metrics = compare_outputs(reference, net(probe))
+    with console.status("Calibrating and measuring fidelity..."):
+        fidelity_summary, measured_on = calibrate_for_convert(
+            net, calibration_data, calibration_kind, calibration_images, probe
+        )
     with console.status(f"Saving to {output}..."):
         save_pretrained(
             net, output, overwrite=force, metadata={"base_weights": base_weights, "model_name": model, "probe": metrics}
         )
     for table in _report_tables(report, metrics, config.target):
         console.print(table)
+    console.print(summary_table(fidelity_summary, f"Fidelity to the original ({measured_on})"))
     console.print(f"[bold green]Saved[/] {output}/ (model.safetensors, config.json, README.md)")

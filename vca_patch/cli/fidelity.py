@@ -1,0 +1,131 @@
+"""`vca-patch fidelity`: measure a converted checkpoint against its original on real data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from .common import console, fail
+
+KINDS = ("fashion_mnist", "imagefolder", "hf")
+
+
+def data_spec(kind: str, path: str | None, split: str, limit: int | None):
+    """A DataSpec for one evaluation split given on the command line."""
+    from ..train.recipe import DataSpec
+
+    if kind not in KINDS:
+        fail(f"--data-kind must be one of {', '.join(KINDS)}, got {kind!r}", 2)
+    return DataSpec(kind=kind, path=path, eval_split=split, eval_limit=limit)
+
+
+def fidelity(
+    checkpoint: Annotated[Path, typer.Argument(help="A converted checkpoint folder (save_pretrained / convert)")],
+    data: Annotated[str | None, typer.Option(help="Dataset: idx folder, ImageFolder root or HF dataset name")] = None,
+    data_kind: Annotated[str, typer.Option(help="fashion_mnist, imagefolder or hf")] = "fashion_mnist",
+    split: Annotated[str, typer.Option(help="Split to measure on (ImageFolder: sub-folder)")] = "test",
+    limit: Annotated[int, typer.Option(help="Images to measure on")] = 512,
+    batch_size: Annotated[int, typer.Option(help="Batch size")] = 64,
+    original: Annotated[
+        Path | None,
+        typer.Option(help="Checkpoint whose original attention is the reference (default: CHECKPOINT's own)"),
+    ] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of the per-layer errors (needs matplotlib)")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the full report as JSON")] = None,
+) -> None:
+    """Per-layer attention error, final-feature cosines and top-1 agreement of CHECKPOINT vs its original."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from ..data import DatasetError, build_dataset
+    from ..fidelity import fidelity as measure
+    from ..fidelity import model_input_size
+    from ..io import CheckpointError, from_pretrained
+    from ..train.finetune import teacher_from
+
+    try:
+        model = from_pretrained(checkpoint)
+        reference = teacher_from(from_pretrained(original)) if original is not None else None
+    except CheckpointError as exc:
+        fail(str(exc), 2)
+    spec = data_spec(data_kind, data, split, limit)
+    size = model_input_size(model)
+    try:
+        dataset = build_dataset(
+            spec,
+            split,
+            training=False,
+            img_size=size[1],
+            model_cfg={**(model.pretrained_cfg or {}), "input_size": size},
+        )
+    except DatasetError as exc:
+        fail(str(exc), 2)
+    with console.status(f"Measuring on {min(limit, len(dataset))} images..."), torch.no_grad():
+        report = measure(reference, model, DataLoader(dataset, batch_size=batch_size))
+    table = Table(title="Per-layer relative error of the attention output", title_justify="left")
+    for column in ("layer", "teacher-forced", "free-running"):
+        table.add_column(column, justify="right" if column != "layer" else "left")
+    for name, e, f in zip(report.layers, report.layer_error, report.layer_error_free, strict=True):
+        table.add_row(name, f"{e:.4f}", f"{f:.4f}")
+    console.print(table)
+    summary = Table(title="Summary", title_justify="left", show_header=False)
+    summary.add_column(style="bold")
+    summary.add_column(justify="right")
+    for key, value in report.summary().items():
+        summary.add_row(key, f"{value:.4f}")
+    summary.add_row("images", str(report.num_images))
+    console.print(summary)
+    if json_out is not None:
+        json_out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    if plot is not None:
+        try:
+            report.plot(plot)
+        except ImportError as exc:
+            fail(str(exc), 2)
+        console.print(f"wrote {plot}")
+
+
+def summary_table(summary: dict[str, float], title: str = "Fidelity to the original") -> Table:
+    """A two-column table of a FidelityReport.summary()."""
+    table = Table(title=title, title_justify="left", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for key, value in summary.items():
+        table.add_row(key.replace("_", " "), f"{value:.4f}")
+    return table
+
+
+def calibrate_for_convert(net, data: Path | None, kind: str, images: int, probe) -> tuple[dict[str, float], str]:
+    """Calibrate a freshly patched VCA model on `images` training images of `data` (when given) and
+    measure it (on held-out images of the same data, else on `probe`). Returns (summary, where measured)."""
+    import torch
+    from torch.utils.data import DataLoader, Subset
+
+    from ..attention import VisualContrastAttention
+    from ..data import DatasetError, build_dataset
+    from ..fidelity import fidelity as measure
+    from ..fidelity import model_input_size
+    from ..recovery import calibrate
+
+    if data is None:
+        with torch.no_grad():
+            return measure(None, net, [probe]).summary(), f"{len(probe)} random probe images"
+    if not any(isinstance(m, VisualContrastAttention) for m in net.modules()):
+        fail("--calibration-data applies to VCA conversions only", 2)
+    spec = data_spec(kind, str(data), "test", None)
+    size = model_input_size(net)
+    cfg = {**(getattr(net, "pretrained_cfg", None) or {}), "input_size": size}
+    try:
+        train = build_dataset(spec, "train", training=False, img_size=size[1], model_cfg=cfg)
+        held_out = build_dataset(spec, "test", training=False, img_size=size[1], model_cfg=cfg)
+    except DatasetError as exc:
+        fail(str(exc), 2)
+    calib = DataLoader(Subset(train, range(min(images, len(train)))), batch_size=64)
+    probe_set = DataLoader(Subset(held_out, range(min(images, len(held_out)))), batch_size=64)
+    with torch.no_grad():
+        calibrate(net, calib)
+        return measure(None, net, probe_set).summary(), f"{min(images, len(held_out))} held-out images of {data}"

@@ -1,0 +1,23 @@
+"""Recovery training: recipes (YAML schema), the accelerate-based engine, and `finetune`."""
+
+from .engine import RunResult, TrainingDiverged, evaluate, make_accelerator, run_recipe
+from .finetune import finetune, publish, teacher_from
+from .recipe import DataSpec, Recipe, RecipeError, StageSpec, TrainSpec, load_recipe, recipe_from_dict
+
+__all__ = [
+    "DataSpec",
+    "Recipe",
+    "RecipeError",
+    "RunResult",
+    "StageSpec",
+    "TrainSpec",
+    "TrainingDiverged",
+    "evaluate",
+    "finetune",
+    "load_recipe",
+    "make_accelerator",
+    "publish",
+    "recipe_from_dict",
+    "run_recipe",
+    "teacher_from",
+]

@@ -1,0 +1,118 @@
+"""`finetune`: run a recipe on a converted checkpoint and publish the recovered checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..data import build_dataset
+from ..fidelity import model_input_size
+from ..io import from_pretrained, save_pretrained
+from ..io.checkpoint import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, read_checkpoint_config
+from ..io.model_card import recipe_metadata
+from ..surgery import unpatch_model
+from .engine import RunResult, make_accelerator, run_recipe
+from .recipe import Recipe, load_recipe
+
+
+def teacher_from(model: nn.Module) -> nn.Module:
+    """A frozen copy of the original model: the patched model with its original attention put back."""
+    teacher = unpatch_model(copy.deepcopy(model)).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
+def publish(model: nn.Module, output: Path, *, model_args: dict | None, metadata: dict[str, Any]) -> None:
+    """Write model.safetensors, config.json and README.md into `output` (each file replaced atomically),
+    leaving metrics.json and checkpoints/ beside them."""
+    output.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}-publish-"))
+    try:
+        save_pretrained(model, stage / "ckpt", model_args=model_args, metadata=metadata)
+        for name in (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME):
+            os.replace(stage / "ckpt" / name, output / name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def dataset_name(recipe: Recipe) -> str:
+    """A short id of the recipe's dataset (the Hub id for "hf", the folder for ImageFolder)."""
+    d = recipe.data
+    if d.kind == "fashion_mnist":
+        return "fashion_mnist"
+    return str(d.path)
+
+
+def card_metrics(metrics: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
+    """The model-card metrics block (numbers only) from a run's metrics.json content."""
+    final, before = metrics.get("final", {}), metrics.get("before", {})
+    out: dict[str, Any] = {"dataset": dataset_name(recipe), "split": recipe.data.eval_split}
+    pairs = {
+        "teacher_top1": final.get("top1_original"),
+        "before_top1": before.get("top1_patched"),
+        "after_top1": final.get("top1_patched"),
+        "agreement_before": before.get("top1_agreement"),
+        "agreement_after": final.get("top1_agreement"),
+        "cls_cosine_before": before.get("cls_cosine"),
+        "cls_cosine_after": final.get("cls_cosine"),
+        "mean_layer_error_after": final.get("mean_layer_error"),
+    }
+    out.update({k: float(v) for k, v in pairs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return out
+
+
+def finetune(
+    converted: str | Path,
+    recipe: Recipe | str | Path,
+    output: str | Path,
+    *,
+    resume: bool = False,
+    stop_after_steps: int | None = None,
+    accelerator: Any = None,
+) -> RunResult:
+    """Recover a converted checkpoint with a recipe; writes a loadable checkpoint and metrics.json to `output`."""
+    converted, output = Path(converted), Path(output)
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    meta = read_checkpoint_config(converted)
+    student = from_pretrained(converted)
+    teacher = teacher_from(student)
+    _, height, _ = model_input_size(student)
+    model_cfg = dict(getattr(student, "pretrained_cfg", None) or {})
+    model_cfg["input_size"] = model_input_size(student)
+    train_set = build_dataset(recipe.data, "train", training=True, img_size=height, model_cfg=model_cfg)
+    eval_set = build_dataset(recipe.data, "eval", training=False, img_size=height, model_cfg=model_cfg)
+    accelerator = accelerator or make_accelerator(recipe.train.mixed_precision)
+    result = run_recipe(
+        student,
+        teacher,
+        recipe,
+        output,
+        train_set=train_set,
+        eval_set=eval_set,
+        resume=resume,
+        accelerator=accelerator,
+        num_classes=int(getattr(student, "num_classes", 0) or 0),
+        stop_after_steps=stop_after_steps,
+        extra_metrics={"converted_from": str(converted)},
+    )
+    if result.completed and accelerator.is_main_process:
+        metadata = dict(meta.get("metadata") or {})
+        metadata.update(
+            recipe_metadata(
+                {"name": recipe.name, "budget": recipe.budget, **recipe.to_dict()},
+                card_metrics(result.metrics, recipe),
+                [dataset_name(recipe)],
+            )
+        )
+        publish(result.model.to("cpu"), output, model_args=meta["base"].get("model_args"), metadata=metadata)
+    accelerator.wait_for_everyone()
+    torch.set_grad_enabled(True)
+    return result

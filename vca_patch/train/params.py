@@ -1,0 +1,69 @@
+"""Parameter groups of a patched model and the λ guard that keeps λ in [0, λ_max]."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..attention import VisualContrastAttention
+from ..attention.differential_lambda import DifferentialLambda
+
+GROUPS = ("new", "lambda", "carried", "rest")
+
+
+def parameter_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """{"new": VCA-added parameters, "lambda": λ vectors, "carried": q/k/v/proj (and their norms),
+    "rest": everything outside attention}, each a list of (name, parameter)."""
+    groups: dict[str, list[tuple[str, nn.Parameter]]] = {g: [] for g in GROUPS}
+    vca_prefixes = [name + "." for name, m in model.named_modules() if isinstance(m, VisualContrastAttention)]
+    carried = ("qkv.", "proj.", "q_norm.", "k_norm.", "norm.", "gate.")
+    for name, p in model.named_parameters():
+        prefix = next((v for v in vca_prefixes if name.startswith(v)), None)
+        if prefix is None:
+            groups["rest"].append((name, p))
+            continue
+        local = name[len(prefix) :]
+        if local.startswith(("lambda1.", "lambda2.")):
+            groups["lambda"].append((name, p))
+        elif local.startswith(carried):
+            groups["carried"].append((name, p))
+        else:
+            groups["new"].append((name, p))
+    return groups
+
+
+@torch.no_grad()
+def clamp_lambda(lam: DifferentialLambda, low: float = 0.0, high: float = 0.95) -> bool:
+    """Project λ = exp⟨q1,k1⟩ − exp⟨q2,k2⟩ + λ_init back into [low, high] by moving q2 along k2.
+
+    Returns True when it had to move. The vectors stay non-zero, so λ keeps its gradient.
+    """
+    value = float(lam())
+    if low <= value <= high:
+        return False
+    goal = min(max(value, low), high)
+    q1, k1, q2, k2 = (p.double() for p in (lam.q1, lam.k1, lam.q2, lam.k2))
+    rest = math.exp(float(q1 @ k1)) + lam.lambda_init - goal  # = exp⟨q2, k2⟩ at the goal, > 0 here
+    target = math.log(rest)
+    norm2 = float(k2 @ k2)
+    if norm2 < 1e-20:
+        return False
+    q2 = q2 + (target - float(q2 @ k2)) * k2 / norm2
+    lam.q2.copy_(q2.to(lam.q2.dtype))
+    return True
+
+
+def guard_lambdas(model: nn.Module, high: float) -> int:
+    """Clamp every VCA layer's λ₁, λ₂ into [0, high]; returns how many were moved."""
+    moved = 0
+    for m in model.modules():
+        if isinstance(m, VisualContrastAttention):
+            moved += clamp_lambda(m.lambda1, 0.0, high) + clamp_lambda(m.lambda2, 0.0, high)
+    return moved
+
+
+def lambda_trace(model: nn.Module) -> list[list[float]]:
+    """[[λ₁, λ₂] per VCA layer] for health logs."""
+    return [list(m.lambdas()) for m in model.modules() if isinstance(m, VisualContrastAttention)]

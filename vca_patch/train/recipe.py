@@ -1,0 +1,215 @@
+"""Recipe schema: recovery recipes are data (YAML), validated into dataclasses.
+
+Unknown keys and wrong types are errors that name the key and list the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+
+class RecipeError(ValueError):
+    """A recipe file or value is invalid."""
+
+
+@dataclass
+class DataSpec:
+    """Where the images come from.
+
+    kind: "fashion_mnist" (idx files under `path`), "imagefolder" (`path`/train, `path`/val trees)
+    or "hf" (a Hugging Face `datasets` name in `path`). `*_limit` keep the first examples.
+    """
+
+    kind: Literal["fashion_mnist", "imagefolder", "hf"] = "fashion_mnist"
+    path: str | None = None
+    train_split: str = "train"
+    eval_split: str = "test"
+    train_limit: int | None = None
+    eval_limit: int | None = 2000
+    img_size: int | None = None
+    augment: Literal["none", "timm"] = "none"
+    mixup: float = 0.0
+    cutmix: float = 0.0
+    num_workers: int = 0
+    image_key: str = "image"
+    label_key: str = "label"
+
+
+@dataclass
+class TrainSpec:
+    """Loop settings shared by every stage."""
+
+    batch_size: int = 64
+    grad_accum: int = 1
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    seed: int = 0
+    ema_decay: float = 0.0
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    eval_every: int = 100
+    eval_images: int = 1000
+    log_every: int = 10
+    grad_clip: float = 5.0
+    lambda_guard: Literal["clamp", "none"] = "clamp"
+    lambda_max: float = 0.95
+
+
+@dataclass
+class StageSpec:
+    """One recovery stage.
+
+    kind: "calibrate" (closed-form, no gradient steps), "attention_transfer" (each VCA layer
+    reproduces the frozen original attention output on the original's input; normalised MSE) or
+    "distill" (end to end from the original model: KL on logits, or feature cosine without a
+    head; plus cross-entropy on labels when label_weight > 0).
+    lr: the new VCA parameters; lambda_lr: the λ vectors; carried_lr: q/k/v/proj (0 = frozen);
+    rest_lr: everything outside attention (distill only; 0 = frozen).
+    """
+
+    name: str
+    kind: Literal["calibrate", "attention_transfer", "distill"]
+    steps: int = 0
+    lr: float = 3e-3
+    lambda_lr: float = 1e-4
+    carried_lr: float = 0.0
+    rest_lr: float = 0.0
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.01
+    kd_temperature: float = 1.0
+    label_weight: float = 0.0
+    calibration_images: int = 256
+
+
+@dataclass
+class Recipe:
+    """A named, staged recovery recipe with the budget it was designed for."""
+
+    name: str
+    stages: list[StageSpec]
+    description: str = ""
+    budget: str = ""
+    data: DataSpec = field(default_factory=DataSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def total_steps(self) -> int:
+        return sum(s.steps for s in self.stages if s.kind != "calibrate")
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in get_args(tp):
+            return None
+        errors = []
+        for option in get_args(tp):
+            if option is type(None):
+                continue
+            try:
+                return _convert(value, option, where)
+            except RecipeError as exc:
+                errors.append(str(exc))
+        raise RecipeError(f"{where}: expected {' or '.join(_type_name(a) for a in get_args(tp))}, got {value!r}")
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise RecipeError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise RecipeError(f"{where}: expected a list, got {value!r}")
+        (item,) = get_args(tp)
+        return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RecipeError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecipeError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is bool or tp is str:
+        if not isinstance(value, tp):
+            raise RecipeError(f"{where}: expected {tp.__name__}, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: expected a mapping with keys {[f.name for f in dataclasses.fields(cls)]}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise RecipeError(f"{where}: unknown key {unknown[0]!r}; valid keys: {sorted(fields)}")
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise RecipeError(f"{where}: missing required key {missing[0]!r}; valid keys: {sorted(fields)}")
+    kwargs = {k: _convert(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _check(recipe: Recipe) -> None:
+    t = recipe.train
+    for key in ("batch_size", "grad_accum", "checkpoint_every", "eval_every", "log_every", "keep_checkpoints"):
+        if getattr(t, key) < 1:
+            raise RecipeError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+    if not 0.0 <= t.ema_decay < 1.0:
+        raise RecipeError(f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
+    if not 0.0 < t.lambda_max < 1.0:
+        raise RecipeError(f"train.lambda_max must be in (0, 1), got {t.lambda_max}")
+    if not recipe.stages:
+        raise RecipeError("stages: a recipe needs at least one stage")
+    names = [s.name for s in recipe.stages]
+    if len(set(names)) != len(names):
+        raise RecipeError(f"stages: names must be unique, got {names}")
+    for i, s in enumerate(recipe.stages):
+        if s.kind != "calibrate" and s.steps < 1:
+            raise RecipeError(f"stages[{i}].steps must be >= 1 for a {s.kind} stage, got {s.steps}")
+        for key in ("lr", "lambda_lr", "carried_lr", "rest_lr", "weight_decay", "label_weight"):
+            if getattr(s, key) < 0:
+                raise RecipeError(f"stages[{i}].{key} must be >= 0, got {getattr(s, key)}")
+    if recipe.data.mixup < 0 or recipe.data.cutmix < 0:
+        raise RecipeError("data.mixup and data.cutmix must be >= 0")
+
+
+def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
+    """Validate a parsed recipe mapping."""
+    recipe = _build(Recipe, data, source)
+    _check(recipe)
+    return recipe
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a YAML recipe file."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{path} is not valid YAML: {exc}") from exc
+    return recipe_from_dict(data, path.name)
