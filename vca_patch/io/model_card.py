@@ -205,8 +205,22 @@ def _form_section(meta: dict[str, Any]) -> str:
     )
 
 
-def _method(config: dict[str, Any]) -> tuple[str, str, str]:
-    """(attention name, one-paragraph description, conversion-table rows) of the config's target."""
+_VCA_CITATION = """@inproceedings{pu2025lineardiff,
+  title     = {Linear Differential Vision Transformer: Learning Visual Contrasts via Pairwise Differentials},
+  author    = {Pu, Yifan and others},
+  booktitle = {Advances in Neural Information Processing Systems},
+  year      = {2025}
+}"""
+_MANO_CITATION = """@article{colagrande2025mano,
+  title   = {Linear Attention with Global Context: A Multipole Attention Mechanism for Vision and Physics},
+  author  = {Colagrande, Alex and Caillon, Paul and Feillet, Eva and Allauzen, Alexandre},
+  journal = {arXiv preprint arXiv:2507.02748},
+  year    = {2025}
+}"""
+
+
+def _method(config: dict[str, Any]) -> tuple[str, str, str, str]:
+    """(attention name, one-paragraph description, conversion-table rows, BibTeX) of the config's target."""
     if config.get("target") == "mano":
         levels = config["levels"] if config.get("levels") is not None else "auto"
         intro = (
@@ -221,7 +235,7 @@ def _method(config: dict[str, Any]) -> tuple[str, str, str]:
             f"| prefix tokens | {config['prefix']} |\n"
             f"| initialisation | {config['init']} |"
         )
-        return "Multipole Attention", intro, rows
+        return "Multipole Attention", intro, rows, _MANO_CITATION
     intro = (
         f"[Visual-Contrast Attention]({PAPER}) (VCA, NeurIPS 2025) with\n"
         f"[vca-patch](https://pypi.org/project/vca-patch/). VCA attends through {config['contrast_tokens']} pooled\n"
@@ -232,7 +246,7 @@ def _method(config: dict[str, Any]) -> tuple[str, str, str]:
         f"| Stage-II softmax | {config['softmax']} |\n"
         f"| initialisation | {config['init']} |"
     )
-    return "Visual-Contrast Attention", intro, rows
+    return "Visual-Contrast Attention", intro, rows, _VCA_CITATION
 
 
 def render_model_card(meta: dict[str, Any], repo_id: str | None = None) -> str:
@@ -263,7 +277,7 @@ model = timm.create_model("hf-hub:{target}", pretrained=True)
         if base["library"] == "timm" and repo_id
         else ""
     )
-    method_name, method_intro, method_rows = _method(config)
+    method_name, method_intro, method_rows, citation = _method(config)
     return f"""---
 {_front_matter(meta, repo_id)}
 ---
@@ -300,17 +314,12 @@ Base model: {base_line}
 # pip install vca-patch
 import vca_patch
 
-model = vca_patch.from_pretrained("{target}")  # rebuilds {arch}, re-applies VCA, loads weights
+model = vca_patch.from_pretrained("{target}")  # rebuilds {arch}, re-applies {method_name}, loads weights
 ```
 {timm_usage}
 ## Citation
 
 ```bibtex
-@inproceedings{{pu2025lineardiff,
-  title     = {{Linear Differential Vision Transformer: Learning Visual Contrasts via Pairwise Differentials}},
-  author    = {{Pu, Yifan and others}},
-  booktitle = {{Advances in Neural Information Processing Systems}},
-  year      = {{2025}}
-}}
+{citation}
 ```
 """
