@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import platform
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -206,5 +207,7 @@ def _meta(variants, settings, shape) -> dict[str, Any]:
         "timm": timm.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "loadavg_1_5_15": list(os.getloadavg()),  # other processes skew absolute times: check before quoting
         "units": {"latency": "ms (median)", "memory": "MiB over the idle model", "gmacs": "1e9 MACs per image"},
     }
