@@ -57,9 +57,9 @@ def _select(sites: list[AttentionSite], config: TargetConfig) -> tuple[list[Atte
         if config.layers is not None and site.layer_index not in config.layers:
             others.append(SkippedSite(site.path, site.class_name, "not in config.layers"))
         elif config.include is not None and not re.search(config.include, site.path):
-            others.append(SkippedSite(site.path, site.class_name, f"does not match include {config.include!r}"))
+            others.append(SkippedSite(site.path, site.class_name, f"does not match include {config.include}"))
         elif config.exclude is not None and re.search(config.exclude, site.path):
-            others.append(SkippedSite(site.path, site.class_name, f"matches exclude {config.exclude!r}"))
+            others.append(SkippedSite(site.path, site.class_name, f"matches exclude {config.exclude}"))
         else:
             chosen.append(site)
     if not chosen:
