@@ -35,18 +35,15 @@ def finetune(
         fail(str(exc), 2)
     if not resume and latest_checkpoint(output) is not None:
         fail(f"{output} already holds training checkpoints: pass --resume to continue, or choose a new --output", 2)
+    accelerator = make_accelerator(spec.train.mixed_precision, cpu or None)
     try:
-        result = run(
-            converted,
-            spec,
-            output,
-            resume=resume,
-            accelerator=make_accelerator(spec.train.mixed_precision, cpu or None),
-        )
+        result = run(converted, spec, output, resume=resume, accelerator=accelerator)
     except (RecipeError, DatasetError, CheckpointError, FileNotFoundError) as exc:
         fail(str(exc), 2)
     except TrainingDiverged as exc:
         fail(str(exc), 1)
+    if not accelerator.is_main_process:
+        return
     final = result.metrics.get("final", {})
     shown = ", ".join(f"{k} {final[k]:.4f}" for k in ("top1_patched", "top1_agreement", "cls_cosine") if k in final)
     console.print(f"[bold green]Recovered[/] {output}/ ({shown}); metrics in {output}/metrics.json")

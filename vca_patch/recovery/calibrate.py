@@ -205,7 +205,11 @@ def calibrate(
     layers: list[LayerCalibration] = []
     steps = ["init"]
     for path, module in patched_modules(model).items():
+        if path not in captures:
+            continue
         cap = captures[path]
+        # Patched modules may be wrapped by call-convention hooks that drop `layout=`; set the tracker too.
+        get_patch_state(model).tracker.layout = cap.layout
         with original_attention(model):
             target, _ = _pre_proj(model.get_submodule(path), cap.inputs, None)
         record = LayerCalibration(path, module.layer_index, module.num_contrast_tokens)

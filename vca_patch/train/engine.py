@@ -396,7 +396,7 @@ def run_recipe(
                         write_metrics()
                         last = latest_checkpoint(output)
                         raise TrainingDiverged(
-                            f"loss became {float(loss):.3g} at step {global_step + 1} (stage {stage.name!r}, "
+                            f"loss became {float(loss.detach()):.3g} at step {global_step + 1} (stage {stage.name!r}, "
                             f"stage step {stage_step + 1}); stopped before applying it. Last good checkpoint: "
                             f"{last or 'none (no checkpoint written yet)'}"
                         )
