@@ -7,8 +7,11 @@ PIP := $(PYTHON) -m pip
 .PHONY: install demo test lint
 
 install:
+	@# Fashion-MNIST (real labelled images for the recovery tests and the example), from Debian.
+	@if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null; fi
 	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
-	$(PIP) install -q -e '.[dev,hf]'
+	$(PIP) install -q -e '.[dev,hf,bench]'
 
 demo: install
 	HF_HUB_OFFLINE=1 vca-patch convert deit_tiny_patch16_224 --no-pretrained --output out/deit_tiny_vca --force
