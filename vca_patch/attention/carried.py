@@ -28,3 +28,8 @@ class CarriedAttention:
     @property
     def dim(self) -> int:
         return self.qkv.in_features
+
+    def attach_extras(self, layer: nn.Module) -> None:
+        """Give a replacement layer the original norms, output gate and dropout (it already holds qkv/proj)."""
+        layer.q_norm, layer.k_norm, layer.norm = self.q_norm, self.k_norm, self.norm
+        layer.gate, layer.proj_drop = self.gate, self.proj_drop

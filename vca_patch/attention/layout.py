@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,28 @@ class TokenLayout:
                 f"{self.num_prefix_tokens} prefix + {self.grid[0]}x{self.grid[1]} patches = "
                 f"{self.num_tokens}; token dropping or merging before attention is not supported"
             )
+
+
+def resolve_layout(
+    owner: str,
+    num_tokens: int,
+    layout: TokenLayout | None,
+    source: Callable[[], TokenLayout] | None,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> TokenLayout:
+    """The layout a grid attention module runs with: the one passed, else its source's; checked against N."""
+    if attn_mask is not None or is_causal:
+        raise ValueError(f"{owner} supports neither attention masks nor causal attention")
+    if layout is None:
+        if source is None:
+            raise ValueError(
+                f"{owner} needs the token layout: pass layout=TokenLayout(...) or patch the model with "
+                "vca_patch.patch_model"
+            )
+        layout = source()
+    layout.check(num_tokens)
+    return layout
 
 
 def tokens_to_grid(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .carried import CarriedAttention
-from .layout import TokenLayout, grid_to_tokens
+from .layout import TokenLayout, grid_to_tokens, resolve_layout
 from .multipole_levels import Level, plan_levels, vcycle_weights
 from .windows import pad_grid, window_key_mask, window_merge, window_partition
 
@@ -128,8 +128,7 @@ class MultipoleAttention(nn.Module):
         mano = cls(
             carried.dim, carried.num_heads, head_dim=carried.head_dim, qkv=carried.qkv, proj=carried.proj, **kwargs
         )
-        mano.q_norm, mano.k_norm, mano.norm = carried.q_norm, carried.k_norm, carried.norm
-        mano.gate, mano.proj_drop = carried.gate, carried.proj_drop
+        carried.attach_extras(mano)
         return mano
 
     @torch.no_grad()
@@ -233,17 +232,8 @@ class MultipoleAttention(nn.Module):
         layout: TokenLayout | None = None,
     ) -> torch.Tensor:
         """x: [B, N, C] with N = prefix + H·W tokens -> [B, N, C']."""
-        if attn_mask is not None or is_causal:
-            raise ValueError("MultipoleAttention supports neither attention masks nor causal attention")
-        if layout is None:
-            if self.layout_source is None:
-                raise ValueError(
-                    "MultipoleAttention needs the token layout: pass layout=TokenLayout(...) "
-                    "or patch the model with vca_patch.patch_model"
-                )
-            layout = self.layout_source()
         B, N, C = x.shape
-        layout.check(N)
+        layout = resolve_layout("MultipoleAttention", N, layout, self.layout_source, attn_mask, is_causal)
         P, (H, W) = layout.num_prefix_tokens, layout.grid
         levels = self.plan(layout.grid)
 

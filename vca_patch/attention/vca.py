@@ -25,7 +25,7 @@ from torch import nn
 
 from .carried import CarriedAttention
 from .differential_lambda import DifferentialLambda, lambda_init_for_depth
-from .layout import TokenLayout
+from .layout import TokenLayout, resolve_layout
 
 SoftmaxMode = Literal["joint", "separate"]
 InitMode = Literal["preserve", "paper"]
@@ -169,8 +169,7 @@ class VisualContrastAttention(nn.Module):
         vca = cls(
             carried.dim, carried.num_heads, head_dim=carried.head_dim, qkv=carried.qkv, proj=carried.proj, **kwargs
         )
-        vca.q_norm, vca.k_norm, vca.norm = carried.q_norm, carried.k_norm, carried.norm
-        vca.gate, vca.proj_drop = carried.gate, carried.proj_drop
+        carried.attach_extras(vca)
         return vca
 
     @torch.no_grad()
@@ -224,17 +223,8 @@ class VisualContrastAttention(nn.Module):
         layout: TokenLayout | None = None,
     ) -> torch.Tensor:
         """x: [B, N, dim] with N = prefix + H·W tokens -> [B, N, dim_out]."""
-        if attn_mask is not None or is_causal:
-            raise ValueError("VisualContrastAttention supports neither attention masks nor causal attention")
-        if layout is None:
-            if self.layout_source is None:
-                raise ValueError(
-                    "VisualContrastAttention needs the token layout: pass layout=TokenLayout(...) "
-                    "or patch the model with vca_patch.patch_model"
-                )
-            layout = self.layout_source()
         B, N, _ = x.shape
-        layout.check(N)
+        layout = resolve_layout("VisualContrastAttention", N, layout, self.layout_source, attn_mask, is_causal)
         n, P = self.num_contrast_tokens, layout.num_prefix_tokens
 
         qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
