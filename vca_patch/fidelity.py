@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .adapters.call_shims import attention_output, call_tokens
+
 
 def model_input_size(model: nn.Module) -> tuple[int, int, int]:
     """(C, H, W) the model expects, from its pretrained config or patch embedding."""
@@ -66,16 +68,22 @@ def compare_outputs(reference: Any, candidate: Any) -> dict[str, Any]:
     return metrics
 
 
-def _features(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def features_and_logits(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token features [B, N, C] (or pooled [B, C]) and class logits (None without a head), in one forward.
+
+    timm: forward_features / forward_head; transformers: the last hidden state and the logits, if any.
+    """
     if hasattr(model, "forward_features"):
-        return model.forward_features(x)
-    return model(x)
-
-
-def _logits(model: nn.Module, features: torch.Tensor) -> torch.Tensor | None:
-    if getattr(model, "num_classes", 0) and hasattr(model, "forward_head"):
-        return model.forward_head(features)
-    return None
+        features = model.forward_features(x)
+        has_head = getattr(model, "num_classes", 0) and hasattr(model, "forward_head")
+        return features, model.forward_head(features) if has_head else None
+    out = model(x, output_hidden_states=True) if type(model).__module__.startswith("transformers.") else model(x)
+    if isinstance(out, torch.Tensor):
+        return out, None
+    features = getattr(out, "last_hidden_state", None)
+    if features is None and getattr(out, "hidden_states", None):
+        features = out.hidden_states[-1]
+    return features, getattr(out, "logits", None)
 
 
 @dataclass
@@ -186,39 +194,39 @@ def fidelity(original: nn.Module | None, patched: nn.Module, batches: Iterable) 
             x = x.to(device)
             captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
-            def ref_hook(module, args, output, path=None, store=captured):
-                store[path] = (args[0], output)
+            def ref_hook(module, args, kwargs, output, path=None, store=captured):
+                store[path] = (call_tokens(args, kwargs), attention_output(output))
 
             ctx = original_attention(patched) if original is None else contextlib.nullcontext()
             with ctx:
                 handles = [
-                    reference_model.get_submodule(p).register_forward_hook(functools.partial(ref_hook, path=p))
+                    reference_model.get_submodule(p).register_forward_hook(
+                        functools.partial(ref_hook, path=p), with_kwargs=True
+                    )
                     for p in ref_paths
                 ]
                 try:
-                    ref_feat = _features(reference_model, x)
-                    ref_logits = _logits(reference_model, ref_feat)
+                    ref_feat, ref_logits = features_and_logits(reference_model, x)
                 finally:
                     for h in handles:
                         h.remove()
             free: dict[str, torch.Tensor] = {}
 
             def free_hook(module, args, output, path=None, store=free):
-                store[path] = output
+                store[path] = attention_output(output)
 
             handles = [
                 patched.get_submodule(p).register_forward_hook(functools.partial(free_hook, path=p)) for p in paths
             ]
             try:
-                new_feat = _features(patched, x)
-                new_logits = _logits(patched, new_feat)
+                new_feat, new_logits = features_and_logits(patched, x)
             finally:
                 for h in handles:
                     h.remove()
             layout = state_tracker.current()
             for p in paths:
                 ref_in, ref_out = captured[p]
-                errors[p].add(patched.get_submodule(p)(ref_in, layout=layout), ref_out)
+                errors[p].add(attention_output(patched.get_submodule(p)(ref_in, layout=layout)), ref_out)
                 errors_free[p].add(free[p], ref_out)
             P = layout.num_prefix_tokens
             if ref_feat.ndim == 3:

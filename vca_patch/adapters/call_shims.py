@@ -14,8 +14,18 @@ _TOKEN_NAMES = ("x", "hidden_states")
 _MASK_NAMES = ("attn_mask", "attention_mask")
 
 
+def call_tokens(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The token tensor of an attention call, whichever convention (timm `x`, transformers `hidden_states`)."""
+    return args[0] if args else next(kwargs[name] for name in _TOKEN_NAMES if name in kwargs)
+
+
+def attention_output(output: Any) -> torch.Tensor:
+    """An attention module's output tensor (transformers modules return `(output, weights)`)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
 class TokensOnly:
-    """Forward pre-hook: call the replacement with the token tensor alone.
+    """Forward pre-hook: call the replacement with the token tensor alone (and an explicit `layout=`).
 
     Keyword arguments in `dropped` (e.g. `rope`, a relative-position bias) are discarded — the
     adapter records that as an approximation. A non-None mask is an error unless `mask_is_bias`
@@ -30,11 +40,11 @@ class TokensOnly:
         args, kwargs = list(args), dict(kwargs)
         if kwargs.get("is_causal"):
             raise ValueError(f"{type(module).__name__} cannot apply causal attention")
-        x = args.pop(0) if args else next(kwargs.pop(name) for name in _TOKEN_NAMES if name in kwargs)
-        masks = [kwargs.pop(name, None) for name in _MASK_NAMES] + args[:1]  # HF passes the mask second
+        x = call_tokens(tuple(args), kwargs)
+        masks = [kwargs.get(name) for name in _MASK_NAMES] + args[1:2]  # HF passes the mask second
         if any(isinstance(m, torch.Tensor) for m in masks) and not self.mask_is_bias:
             raise ValueError(f"{type(module).__name__} cannot apply an attention mask to linear attention")
-        return (x,), {}
+        return (x,), {"layout": kwargs["layout"]} if "layout" in kwargs else {}
 
 
 class TupleOutput:

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from ..fidelity import fidelity
+from ..adapters.call_shims import attention_output, call_tokens
+from ..fidelity import features_and_logits, fidelity
 from ..io.atomic import atomic_write_text
 from ..recovery.calibrate import calibrate
 from ..recovery.capture import patched_modules
@@ -123,13 +124,16 @@ def _transfer_loss(student: nn.Module, teacher: nn.Module, x: torch.Tensor) -> t
     captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     handles = [
         teacher.get_submodule(p).register_forward_hook(
-            lambda m, a, o, path=p, store=captured: store.__setitem__(path, (a[0].detach(), o.detach()))
+            lambda m, a, k, o, path=p, store=captured: store.__setitem__(
+                path, (call_tokens(a, k).detach(), attention_output(o).detach())
+            ),
+            with_kwargs=True,
         )
         for p in paths
     ]
     try:
         with torch.no_grad():
-            _features(teacher, x)
+            features_and_logits(teacher, x)
     finally:
         for h in handles:
             h.remove()
@@ -139,24 +143,18 @@ def _transfer_loss(student: nn.Module, teacher: nn.Module, x: torch.Tensor) -> t
     losses = []
     for p in paths:
         inp, target = captured[p]
-        out = student.get_submodule(p)(inp, layout=layout)
+        out = attention_output(student.get_submodule(p)(inp, layout=layout))
         losses.append((out.float() - target.float()).pow(2).sum() / target.float().pow(2).sum().clamp_min(1e-12))
     return torch.stack(losses).mean()
-
-
-def _features(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model.forward_features(x) if hasattr(model, "forward_features") else model(x)
 
 
 def _distill_loss(
     student: nn.Module, teacher: nn.Module, x: torch.Tensor, y: torch.Tensor | None, stage: StageSpec
 ) -> torch.Tensor:
     with torch.no_grad():
-        t_feat = _features(teacher, x)
-        t_logits = teacher.forward_head(t_feat) if getattr(teacher, "num_classes", 0) else None
-    s_feat = _features(student, x)
+        t_feat, t_logits = features_and_logits(teacher, x)
+    s_feat, s_logits = features_and_logits(student, x)
     if t_logits is not None:
-        s_logits = student.forward_head(s_feat)
         T = stage.kd_temperature
         loss = F.kl_div(
             F.log_softmax(s_logits.float() / T, -1),
