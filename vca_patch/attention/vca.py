@@ -253,10 +253,12 @@ class VisualContrastAttention(nn.Module):
             o_pos = F.scaled_dot_product_attention(q2, t_pos, v_hat, scale=self.scale)
             o_neg = F.scaled_dot_product_attention(q2, t_neg, v_hat, scale=self.scale)
             o = o_pos - lambda2 * o_neg
-        o = _rms_norm(o, self.stage2_norm, 1 - self.lambda_init)  # [B, M, N or H*W, d]
+        # SDPA returns [B, M, N, d] with [B, N, M, d] memory: normalise in that layout, so merging heads is a view.
+        o = _rms_norm(o.transpose(1, 2), self.stage2_norm, 1 - self.lambda_init)  # [B, N or H*W, M, d]
         if exact_prefix:  # prefix rows: plain softmax attention over all N keys, raw output
-            o = torch.cat([F.scaled_dot_product_attention(q[:, :, :P], k, v, scale=self.scale), o], dim=2)
-        o = o.transpose(1, 2).reshape(B, N, self.attn_dim)
+            prefix = F.scaled_dot_product_attention(q[:, :, :P], k, v, scale=self.scale).transpose(1, 2)
+            o = torch.cat([prefix, o], dim=1)
+        o = o.reshape(B, N, self.attn_dim)
 
         # Local term: depthwise 3×3 conv on the patch values; prefix rows get none.
         # Channels-last conv straight on the qkv output (oneDNN's NHWC depthwise kernel, ~2x NCHW on CPU);
