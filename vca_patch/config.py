@@ -107,9 +107,11 @@ class VCAConfig(TargetConfig):
         init: "preserve" (carry q/k/v/proj, function-preserving new parameters) or "paper"
             (the paper's from-scratch init of the new parameters).
         rms_eps: epsilon of the two sub-layer RMSNorms.
-        prefix_readout: "contrast" (paper) or "exact": prefix tokens (CLS, registers) read all N keys
-            with plain softmax attention (O(N·P), still linear in N).
-        stage2_temperature: add a learnable per-head Stage-II temperature (init 1 = the paper form).
+        prefix_readout: "exact" (default: prefix tokens such as CLS and registers read all N keys with plain
+            softmax attention, O(N·P), still linear in N; measured best for converting pretrained models) or
+            "contrast" (the paper: prefix tokens read only the contrast tokens).
+        stage2_temperature: add a learnable per-head Stage-II temperature (init 1 = the paper form; on by
+            default, since calibration tunes it). False: exactly the paper's parameters.
         layer_contrast_tokens: per-block overrides of contrast_tokens, {block index: n}.
         layers: 0-based block indices to patch; None patches every attention block.
         seed: seed of the random parts of the init (λ vectors; e± and DWC in "paper" mode).
@@ -121,8 +123,8 @@ class VCAConfig(TargetConfig):
     softmax: str = "joint"
     init: str = "preserve"
     rms_eps: float = 1e-5
-    prefix_readout: str = "contrast"
-    stage2_temperature: bool = False
+    prefix_readout: str = "exact"
+    stage2_temperature: bool = True
     layer_contrast_tokens: dict[int, int] | None = None
 
     @property

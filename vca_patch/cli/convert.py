@@ -85,10 +85,10 @@ def convert(
     prefix: Annotated[str, typer.Option(help="MANO: prefix tokens global or separate")] = "global",
     probe_size: Annotated[int, typer.Option(help="Images in the probe batch that measures the change")] = 4,
     seed: Annotated[int, typer.Option(help="Seed of the random parts of the init and of the probe batch")] = 0,
-    prefix_readout: Annotated[str, typer.Option(help="VCA: prefix tokens read contrast tokens or all keys (exact)")] = (
-        "contrast"
-    ),
-    stage2_temperature: Annotated[bool, typer.Option(help="VCA: per-head Stage-II temperature (init 1)")] = False,
+    prefix_readout: Annotated[
+        str, typer.Option(help="VCA: prefix tokens read all keys (exact) or only the contrast tokens (contrast, paper)")
+    ] = "exact",
+    stage2_temperature: Annotated[bool, typer.Option(help="VCA: per-head Stage-II temperature (init 1)")] = True,
     calibration_data: Annotated[
         Path | None, typer.Option(help="VCA: calibrate on real images (idx folder, ImageFolder root, HF name)")
     ] = None,
