@@ -151,3 +151,29 @@ def test_verification_rejects_a_module_that_only_looks_like_attention():
     with pytest.raises(NothingToPatchError, match="verification failed: reference softmax attention differs"):
         patch_model(model)
     assert all(type(m).__name__ == "PlainAttention" for m in model.layers)
+
+
+def test_transformers_attention_in_an_unknown_layout_names_the_class_and_why():
+    model = transformers.Data2VecVisionModel(transformers.Data2VecVisionConfig(**SMALL_HF))
+    with pytest.raises(NothingToPatchError, match=r"Data2VecVisionSdpaSelfAttention: expected q_proj/k_proj/v_proj"):
+        patch_model(model)
+
+
+def test_convert_cli_strict_and_exclude(tmp_path):
+    from typer.testing import CliRunner
+
+    from vca_patch.cli import app
+
+    common = ["--no-pretrained", "--contrast-tokens", "4"]
+    strict = CliRunner().invoke(
+        app, ["convert", "eva02_tiny_patch14_224", *common, "-o", str(tmp_path / "a"), "--strict"]
+    )
+    assert strict.exit_code == 1 and "strict mode refuses" in strict.output and "rope" in strict.output
+    assert not (tmp_path / "a").exists()
+    result = CliRunner().invoke(
+        app, ["convert", "deit_tiny_patch16_224", *common, "-o", str(tmp_path / "b"), "--exclude", r"blocks\.(0|11)\."]
+    )
+    assert result.exit_code == 0, result.output
+    assert vca_patch.from_pretrained(tmp_path / "b").vca_patch_state.config.exclude == r"blocks\.(0|11)\."
+    layers = vca_patch.io.read_checkpoint_config(tmp_path / "b")["layers"]
+    assert sorted(v["layer_index"] for v in layers.values()) == list(range(1, 11))

@@ -31,6 +31,15 @@ def _is_qkv_attention(module: nn.Module) -> bool:
     return all(isinstance(p, nn.Linear) for p in projections) and _output_projection(module) is not None
 
 
+def _unsupported_attention(module: nn.Module, path: str, sites: list[AttentionSite]) -> bool:
+    """Named like a self-attention leaf (not a block, not inside a matched site) but not in the known layout."""
+    name = type(module).__name__
+    looks = name.endswith(("Attention", "SelfAttention")) and not isinstance(module, nn.MultiheadAttention)
+    inside = any(path.startswith(s.path + ".") for s in sites)
+    has_attention_child = any(type(c).__name__.endswith("Attention") for c in module.children())
+    return looks and not inside and not has_attention_child and not _is_qkv_attention(module)
+
+
 def _num_heads(module: nn.Module) -> int:
     for name in ("num_heads", "num_attention_heads"):
         if isinstance(getattr(module, name, None), int):
@@ -80,7 +89,13 @@ class HFVisionAdapter(ModelAdapter):
         skipped: list[SkippedSite] = []
         for path, module in model.named_modules():
             class_name = type(module).__name__
-            if isinstance(module, nn.MultiheadAttention):
+            if _unsupported_attention(module, path, sites):
+                reason = (
+                    f"no adapter for {type(module).__module__}.{class_name}: expected q_proj/k_proj/v_proj and "
+                    "o_proj/out_proj Linear layers (the transformers 5.x layout)"
+                )
+                skipped.append(SkippedSite(path, class_name, reason))
+            elif isinstance(module, nn.MultiheadAttention):
                 skipped.append(
                     SkippedSite(path, class_name, "attention pooling head (cross-attention), not token self-attention")
                 )

@@ -71,6 +71,9 @@ def convert(
         Path | None, typer.Option(help="Local weights (.safetensors/.pth) for MODEL instead of the Hub's")
     ] = None,
     layers: Annotated[str | None, typer.Option(help="Blocks to convert, e.g. '0-5,8' (default: all)")] = None,
+    include: Annotated[str | None, typer.Option(help="Regex: convert only matching module paths")] = None,
+    exclude: Annotated[str | None, typer.Option(help="Regex: never convert matching module paths")] = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Refuse approximate or unverified conversions")] = False,
     to: Annotated[str, typer.Option("--to", help="Target attention: vca or mano")] = "vca",
     contrast_tokens: Annotated[int, typer.Option(help="Pooled contrast tokens n (a perfect square)")] = 49,
     softmax: Annotated[str, typer.Option(help="Stage-II softmax: joint or separate")] = "joint",
@@ -103,12 +106,12 @@ def convert(
         if to == "vca":
             config = VCAConfig(
                 contrast_tokens=contrast_tokens, softmax=softmax, init=init, layers=parse_layers(layers), seed=seed,
-                prefix_readout=prefix_readout, stage2_temperature=stage2_temperature,
+                prefix_readout=prefix_readout, stage2_temperature=stage2_temperature, include=include, exclude=exclude,
             )  # fmt: skip
         elif to == "mano":
             config = MANOConfig(
                 window=window, rate=rate, levels=levels, down=down, up=up, init=init, prefix=prefix,
-                layers=parse_layers(layers), seed=seed,
+                layers=parse_layers(layers), seed=seed, include=include, exclude=exclude,
             )  # fmt: skip
         else:
             raise ConfigError(f"--to must be 'vca' or 'mano', got {to!r}")
@@ -127,7 +130,7 @@ def convert(
     with console.status("Patching and probing..."), torch.no_grad():
         reference = net(probe)
         try:
-            report = patch_model(net, config)
+            report = patch_model(net, config, strict=strict)
         except PatchError as exc:
             fail(str(exc))
         metrics = compare_outputs(reference, net(probe))

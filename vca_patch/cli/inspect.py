@@ -22,6 +22,7 @@ def inspect(
     include: Annotated[str | None, typer.Option(help="Regex: convert only matching module paths")] = None,
     exclude: Annotated[str | None, typer.Option(help="Regex: never convert matching module paths")] = None,
     contrast_tokens: Annotated[int, typer.Option(help="Pooled contrast tokens n (a perfect square)")] = 49,
+    strict: Annotated[bool, typer.Option("--strict", help="Fail on approximate or unverified conversions")] = False,
 ) -> None:
     """Dry run: show MODEL's attention sites and what `convert` would do with each."""
     try:
@@ -32,7 +33,7 @@ def inspect(
         fail(str(exc), 2)
     try:
         net = load_base_model(model, pretrained=pretrained, weights=weights)
-        report = inspect_model(net, config)
+        report = inspect_model(net, config, strict=strict)
     except (UnknownModelError, HubUnavailableError, WeightsMismatchError, PatchError) as exc:
         fail(str(exc))
     console.print(sites_table(report, dry_run=True))
