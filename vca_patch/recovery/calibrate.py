@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..adapters.call_shims import attention_output
 from ..attention import TokenLayout, VisualContrastAttention
 from ..attention.layout import tokens_to_grid
 from ..config import VCAConfig
@@ -67,15 +68,21 @@ def _relative_error(candidate: torch.Tensor, reference: torch.Tensor) -> float:
     return float((candidate.double() - reference.double()).norm() / reference.double().norm().clamp_min(1e-30))
 
 
-def _pre_proj(module: nn.Module, x: torch.Tensor, layout: TokenLayout | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input of module.proj, module output) for input x."""
+def _pre_proj(
+    module: nn.Module, x: torch.Tensor, layout: TokenLayout | None, proj: nn.Module | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input of the output projection `proj` (default module.proj), module output) for input x.
+
+    `proj` is passed when `module` is an original attention module whose output projection has another name
+    (transformers' o_proj/out_proj): it is the same Linear the VCA layer carries.
+    """
     seen: list[torch.Tensor] = []
-    handle = module.proj.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    handle = (proj or module.proj).register_forward_pre_hook(lambda m, args: seen.append(args[0]))
     try:
         out = module(x) if layout is None else module(x, layout=layout)
     finally:
         handle.remove()
-    return seen[0], out
+    return seen[0], attention_output(out)
 
 
 def _qkv(module: VisualContrastAttention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,17 +212,17 @@ def calibrate(
     layers: list[LayerCalibration] = []
     steps = ["init"]
     for path, module in patched_modules(model).items():
-        if path not in captures:
-            continue
+        if path not in captures or not isinstance(module, VisualContrastAttention):
+            continue  # calibration is VCA's; other targets (MANO) start from their own preserving init
         cap = captures[path]
         # Patched modules may be wrapped by call-convention hooks that drop `layout=`; set the tracker too.
         get_patch_state(model).tracker.layout = cap.layout
         with original_attention(model):
-            target, _ = _pre_proj(model.get_submodule(path), cap.inputs, None)
+            target, _ = _pre_proj(model.get_submodule(path), cap.inputs, None, proj=module.proj)
         record = LayerCalibration(path, module.layer_index, module.num_contrast_tokens)
 
         def measure(step: str, module=module, cap=cap, record=record) -> None:
-            record.errors[step] = _relative_error(module(cap.inputs, layout=cap.layout), cap.outputs)
+            record.errors[step] = _relative_error(attention_output(module(cap.inputs, layout=cap.layout)), cap.outputs)
             if step not in steps:
                 steps.append(step)
 

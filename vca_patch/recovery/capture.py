@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..attention import TokenLayout, VisualContrastAttention
+from ..adapters.call_shims import attention_output, call_tokens
+from ..attention import TokenLayout
 from ..surgery import PatchError, get_patch_state
 
 
@@ -18,8 +19,8 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_path) if parent_path else model, child, module)
 
 
-def patched_modules(model: nn.Module) -> dict[str, VisualContrastAttention]:
-    """Module path -> VCA module of a patched model, in block order."""
+def patched_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Module path -> replacement module (VCA, MANO, ...) of a patched model, in block order."""
     state = get_patch_state(model)
     if state is None:
         raise PatchError("model is not patched by vca_patch; call vca_patch.patch_model(model) first")
@@ -83,12 +84,12 @@ def capture_original_layers(model: nn.Module, batches: Iterable, device: torch.d
         handles = []
         for path in paths:
 
-            def hook(module, args, output, path=path):
-                inputs[path].append(args[0].detach())
-                outputs[path].append(output.detach())
+            def hook(module, args, kwargs, output, path=path):
+                inputs[path].append(call_tokens(args, kwargs).detach())
+                outputs[path].append(attention_output(output).detach())
                 layouts[path] = state.tracker.current()
 
-            handles.append(model.get_submodule(path).register_forward_hook(hook))
+            handles.append(model.get_submodule(path).register_forward_hook(hook, with_kwargs=True))
         try:
             for batch in batches:
                 model(batch_images(batch).to(device))

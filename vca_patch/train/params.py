@@ -9,26 +9,27 @@ from torch import nn
 
 from ..attention import VisualContrastAttention
 from ..attention.differential_lambda import DifferentialLambda
+from ..surgery import get_patch_state
 
 GROUPS = ("new", "lambda", "carried", "rest")
 
 
 def parameter_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """{"new": VCA-added parameters, "lambda": λ vectors, "carried": q/k/v/proj (and their norms),
-    "rest": everything outside attention}, each a list of (name, parameter)."""
+    """{"new": parameters the target added (VCA, MANO, ...), "lambda": VCA's λ vectors, "carried": the original
+    attention's own parameters (q/k/v/proj and their norms), "rest": everything outside attention}, each a list
+    of (name, parameter). Carried parameters are recognised by identity with the original modules' parameters."""
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {g: [] for g in GROUPS}
-    vca_prefixes = [name + "." for name, m in model.named_modules() if isinstance(m, VisualContrastAttention)]
-    carried = ("qkv.", "proj.", "q_norm.", "k_norm.", "norm.", "gate.")
+    state = get_patch_state(model)
+    prefixes = [path + "." for path in state.originals] if state is not None else []
+    carried = {id(p) for original in (state.originals.values() if state else ()) for p in original.parameters()}
     for name, p in model.named_parameters():
-        prefix = next((v for v in vca_prefixes if name.startswith(v)), None)
+        prefix = next((v for v in prefixes if name.startswith(v)), None)
         if prefix is None:
             groups["rest"].append((name, p))
-            continue
-        local = name[len(prefix) :]
-        if local.startswith(("lambda1.", "lambda2.")):
-            groups["lambda"].append((name, p))
-        elif local.startswith(carried):
+        elif id(p) in carried:
             groups["carried"].append((name, p))
+        elif name[len(prefix) :].startswith(("lambda1.", "lambda2.")):
+            groups["lambda"].append((name, p))
         else:
             groups["new"].append((name, p))
     return groups
