@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--recipe", type=Path, default=ROOT / "recipes" / "fashion_mnist.yaml")
     parser.add_argument("--contrast-tokens", type=int, default=9)
-    parser.add_argument("--teacher-epochs", type=float, default=3.0)
+    parser.add_argument("--teacher-epochs", type=float, default=4.0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="data subsets and few steps (tests)")
     parser.add_argument("--seed", type=int, default=0)
