@@ -57,8 +57,10 @@ def test_model_macs_hand_computed_for_a_two_block_vit():
     embed = 196 * 384 * 3 * 256
     linear = 197 * 12 * 384**2
     assert model_macs(shape, (224, 224)) == embed + 2 * (linear + 2 * 197**2 * 384)
-    vca = 8 * 49 * 197 * 384 + 9 * 196 * 384
+    vca = 8 * 49 * 197 * 384 + 9 * 196 * 384 + 2 * 1 * 197 * 384  # the default reads the CLS row exactly
     assert model_macs(shape, (224, 224), "vca", VCAConfig()) == embed + 2 * (linear + vca)
+    paper = model_macs(shape, (224, 224), "vca", VCAConfig(prefix_readout="contrast"))
+    assert paper == embed + 2 * (linear + vca - 2 * 197 * 384)
     # Only block 1 patched: block 0 keeps softmax.
     mixed = model_macs(shape, (224, 224), "vca", VCAConfig(layers=[1]))
     assert mixed == embed + 2 * linear + 2 * 197**2 * 384 + vca

@@ -231,7 +231,6 @@ class VisualContrastAttention(nn.Module):
         q, k, v = qkv.unbind(0)  # [B, M, N, d] each
         q, k = self.q_norm(q), self.k_norm(k)
         contrast = self.contrast_tokens(q, layout)  # [B, M, 2n, d]
-        t_pos, t_neg = contrast.split(n, dim=2)  # [B, M, n, d] each (views)
         lambda1 = self.lambda1().to(q.dtype)
         lambda2 = self.lambda2().to(q.dtype)
 
@@ -239,25 +238,22 @@ class VisualContrastAttention(nn.Module):
         u_pos, u_neg = F.scaled_dot_product_attention(contrast, k, v, scale=self.scale).split(n, dim=2)
         v_hat = _rms_norm(u_pos - lambda1 * u_neg, self.stage1_norm, 1 - self.lambda_init)  # [B, M, n, d]
 
-        # Stage II: every token (only the patch tokens under exact prefix read-out) reads the contrast tokens.
-        exact_prefix = self.prefix_readout == "exact" and P > 0
-        q2 = q[:, :, P:] if exact_prefix else q
-        if self.stage2_temperature is not None:
-            q2 = q2 * self.stage2_temperature.to(q2.dtype).view(1, -1, 1, 1)
+        # Stage II: every token reads the contrast tokens (prefix rows are replaced below under exact read-out).
+        keys = contrast
+        if self.stage2_temperature is not None:  # s·τ·q·tᵀ: scale the 2n keys rather than the N queries
+            keys = contrast * self.stage2_temperature.to(contrast.dtype).view(1, -1, 1, 1)
         if self.softmax == "joint":
             # softmax over [t₊; t₋] with values [v̂; −λ₂v̂] equals (A₊ − λ₂A₋)·v̂.
-            o = F.scaled_dot_product_attention(
-                q2, contrast, torch.cat([v_hat, -lambda2 * v_hat], dim=2), scale=self.scale
-            )
+            o = F.scaled_dot_product_attention(q, keys, torch.cat([v_hat, -lambda2 * v_hat], dim=2), scale=self.scale)
         else:
-            o_pos = F.scaled_dot_product_attention(q2, t_pos, v_hat, scale=self.scale)
-            o_neg = F.scaled_dot_product_attention(q2, t_neg, v_hat, scale=self.scale)
+            k_pos, k_neg = keys.split(n, dim=2)
+            o_pos = F.scaled_dot_product_attention(q, k_pos, v_hat, scale=self.scale)
+            o_neg = F.scaled_dot_product_attention(q, k_neg, v_hat, scale=self.scale)
             o = o_pos - lambda2 * o_neg
         # SDPA returns [B, M, N, d] with [B, N, M, d] memory: normalise in that layout, so merging heads is a view.
-        o = _rms_norm(o.transpose(1, 2), self.stage2_norm, 1 - self.lambda_init)  # [B, N or H*W, M, d]
-        if exact_prefix:  # prefix rows: plain softmax attention over all N keys, raw output
-            prefix = F.scaled_dot_product_attention(q[:, :, :P], k, v, scale=self.scale).transpose(1, 2)
-            o = torch.cat([prefix, o], dim=1)
+        o = _rms_norm(o.transpose(1, 2), self.stage2_norm, 1 - self.lambda_init)  # [B, N, M, d]
+        if self.prefix_readout == "exact" and P > 0:  # prefix rows: plain softmax over all N keys, raw output
+            o[:, :P] = F.scaled_dot_product_attention(q[:, :, :P], k, v, scale=self.scale).transpose(1, 2)
         o = o.reshape(B, N, self.attn_dim)
 
         # Local term: depthwise 3×3 conv on the patch values; prefix rows get none.
