@@ -99,11 +99,12 @@ def write_plot(result: dict[str, Any], path: Path) -> None:
         panels.append(("memory_train_mib", "training-step memory (MiB)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     variants = list(dict.fromkeys(r["variant"] for r in result["results"]))
+    colors = {name: f"C{i}" for i, name in enumerate(variants)}  # one colour per variant in every panel
     for ax, (key, label) in zip(axes[0], panels, strict=True):
         for name in variants:
             points = [(r["tokens"], r[key]) for r in result["results"] if r["variant"] == name and r[key] is not None]
             if points:
-                ax.plot(*zip(*points, strict=True), marker="o", label=name)
+                ax.plot(*zip(*points, strict=True), marker="o", label=name, color=colors[name])
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("tokens")
