@@ -20,7 +20,9 @@ pytestmark = needs_fashion_mnist
 
 
 def _converted(n: int = 4, calibrated: dict | None = None, **config) -> torch.nn.Module:
+    """The tiny trained ViT converted with the paper's layer unless `config` asks for the extra options."""
     model = trained_tiny_vit()
+    config = {"prefix_readout": "contrast", "stage2_temperature": False, **config}
     vca_patch.patch_model(model, vca_patch.VCAConfig(contrast_tokens=n, **config))
     if calibrated is not None:
         calibrate(model, [probe_images(128, "train")], **calibrated)
