@@ -7,7 +7,6 @@ from typing import Annotated
 
 import torch
 import typer
-from rich.table import Table
 
 from ..config import ConfigError, MANOConfig, TargetConfig, VCAConfig
 from ..fidelity import compare_outputs, probe_batch
@@ -20,45 +19,10 @@ from ..io import (
     save_pretrained,
 )
 from ..io.atomic import check_output_dir
-from ..surgery import PatchError, PatchReport, patch_model
+from ..surgery import PatchError, patch_model
 from .common import console, fail, parse_layers
 from .fidelity import calibrate_for_convert, summary_table
-
-
-def _setting_cells(target: str, settings: dict) -> tuple[tuple[str, str], tuple[str, str]]:
-    """Two per-target (header, value) columns of the sites table."""
-    if target == "mano":
-        window = f"{settings.get('window', '')}, r={settings.get('rate', '')}"
-        return ("window", window), ("levels", str(settings.get("levels", "")))
-    lambda_init = f"{settings.get('lambda_init', float('nan')):.3f}"
-    return ("n", str(settings.get("contrast_tokens", ""))), ("λ_init", lambda_init)
-
-
-def _report_tables(report: PatchReport, probe: dict[str, float], target: str = "vca") -> list[Table]:
-    sites = Table(title="Attention sites", title_justify="left")
-    (first, _), (second, _) = _setting_cells(target, {})
-    for column in ("module", "original", "block", "heads", first, second, "+params", "action"):
-        sites.add_column(column, justify="right" if column in ("block", "heads", first, "+params") else "left")
-    for s in report.patched:
-        action = "[green]patched[/]" + (f" ({'; '.join(s.notes)})" if s.notes else "")
-        (_, a), (_, b) = _setting_cells(target, s.settings)
-        sites.add_row(
-            s.path, s.original_class, str(s.layer_index), str(s.num_heads), a, b, f"{s.params_added:,}", action
-        )
-    for s in report.skipped:
-        sites.add_row(s.path, s.class_name, "", "", "", "", "", f"[yellow]skipped[/]: {s.reason}")
-
-    summary = Table(title="Summary", title_justify="left", show_header=False)
-    summary.add_column(style="bold")
-    summary.add_column(justify="right")
-    summary.add_row("sites patched / skipped", f"{len(report.patched)} / {len(report.skipped)}")
-    summary.add_row("parameters before", f"{report.params_before:,}")
-    summary.add_row("parameters after", f"{report.params_after:,} (+{report.params_added / 1e6:.3f} M)")
-    summary.add_row("probe: output cosine to original", f"{probe['cosine']:.4f}")
-    summary.add_row("probe: relative error", f"{probe['relative_error']:.4f}")
-    if "top1_agreement" in probe:
-        summary.add_row("probe: top-1 agreement", f"{probe['top1_agreement']:.2%}")
-    return [sites, summary]
+from .report_view import sites_table, totals_table
 
 
 def convert(
@@ -142,7 +106,7 @@ def convert(
         save_pretrained(
             net, output, overwrite=force, metadata={"base_weights": base_weights, "model_name": model, "probe": metrics}
         )
-    for table in _report_tables(report, metrics, config.target):
-        console.print(table)
+    console.print(sites_table(report))
+    console.print(totals_table(report, probe=metrics))
     console.print(summary_table(fidelity_summary, f"Fidelity to the original ({measured_on})"))
     console.print(f"[bold green]Saved[/] {output}/ (model.safetensors, config.json, README.md)")

@@ -30,11 +30,17 @@ def sites_table(report: PatchReport, *, dry_run: bool = False) -> Table:
     return table
 
 
-def totals_table(report: PatchReport) -> Table:
-    table = Table(title="Totals", title_justify="left", show_header=False)
+def totals_table(report: PatchReport, probe: dict[str, float] | None = None) -> Table:
+    """Sites and parameter totals, and how far the patched outputs are from the original's on a probe batch."""
+    table = Table(title="Summary", title_justify="left", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_row("sites patched / skipped", f"{len(report.patched)} / {len(report.skipped)}")
     table.add_row("parameters before", f"{report.params_before:,}")
     table.add_row("parameters after", f"{report.params_after:,} (+{report.params_added / 1e6:.3f} M)")
+    if probe:
+        table.add_row("probe: output cosine to original", f"{probe['cosine']:.4f}")
+        table.add_row("probe: relative error", f"{probe['relative_error']:.4f}")
+        if "top1_agreement" in probe:
+            table.add_row("probe: top-1 agreement", f"{probe['top1_agreement']:.2%}")
     return table
