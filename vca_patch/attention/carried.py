@@ -29,6 +29,12 @@ class CarriedAttention:
     def dim(self) -> int:
         return self.qkv.in_features
 
+    def instantiate(self, layer_cls: type[nn.Module], **kwargs) -> nn.Module:
+        """A replacement layer built around these q/k/v/proj modules, with the original norms, gate and dropout."""
+        layer = layer_cls(self.dim, self.num_heads, head_dim=self.head_dim, qkv=self.qkv, proj=self.proj, **kwargs)
+        self.attach_extras(layer)
+        return layer
+
     def attach_extras(self, layer: nn.Module) -> None:
         """Give a replacement layer the original norms, output gate and dropout (it already holds qkv/proj)."""
         layer.q_norm, layer.k_norm, layer.norm = self.q_norm, self.k_norm, self.norm

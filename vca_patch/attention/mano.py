@@ -125,11 +125,7 @@ class MultipoleAttention(nn.Module):
     @classmethod
     def from_carried(cls, carried: CarriedAttention, **kwargs) -> MultipoleAttention:
         """MANO reusing an attention module's q/k/v/proj (and norms, gate, dropout) as they are."""
-        mano = cls(
-            carried.dim, carried.num_heads, head_dim=carried.head_dim, qkv=carried.qkv, proj=carried.proj, **kwargs
-        )
-        carried.attach_extras(mano)
-        return mano
+        return carried.instantiate(cls, **kwargs)
 
     @torch.no_grad()
     def reset_mano_parameters(self, mode: InitMode = "preserve") -> None:

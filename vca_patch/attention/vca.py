@@ -166,11 +166,7 @@ class VisualContrastAttention(nn.Module):
     @classmethod
     def from_carried(cls, carried: CarriedAttention, **kwargs) -> VisualContrastAttention:
         """VCA reusing an attention module's q/k/v/proj (and norms, gate, dropout) as they are."""
-        vca = cls(
-            carried.dim, carried.num_heads, head_dim=carried.head_dim, qkv=carried.qkv, proj=carried.proj, **kwargs
-        )
-        carried.attach_extras(vca)
-        return vca
+        return carried.instantiate(cls, **kwargs)
 
     @torch.no_grad()
     def reset_vca_parameters(self, mode: InitMode = "preserve") -> None:

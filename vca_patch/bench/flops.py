@@ -23,23 +23,15 @@ from typing import Any
 
 from torch import nn
 
+from ..attention import TokenLayout
+
 
 @dataclass(frozen=True)
-class AttentionShape:
-    """One attention layer's problem size: P prefix tokens + an H×W grid, C channels, M heads."""
+class AttentionShape(TokenLayout):
+    """One attention layer's problem size: a token layout (P prefix tokens + an H×W grid), C channels, M heads."""
 
-    num_prefix_tokens: int
-    grid: tuple[int, int]
     dim: int
     num_heads: int
-
-    @property
-    def num_patches(self) -> int:
-        return self.grid[0] * self.grid[1]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefix_tokens + self.num_patches
 
 
 AttentionMacs = Callable[[AttentionShape, Any], float]
