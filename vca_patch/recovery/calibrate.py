@@ -215,7 +215,7 @@ def calibrate(
         if path not in captures or not isinstance(module, VisualContrastAttention):
             continue  # calibration is VCA's; other targets (MANO) start from their own preserving init
         cap = captures[path]
-        # Patched modules may be wrapped by call-convention hooks that drop `layout=`; set the tracker too.
+        # Keep the tracker on this layer's layout too, for any call below that does not pass `layout=`.
         get_patch_state(model).tracker.layout = cap.layout
         with original_attention(model):
             target, _ = _pre_proj(model.get_submodule(path), cap.inputs, None, proj=module.proj)
