@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..attention import CarriedAttention, TokenLayout
-from .verify import verification_error
+from .verify import TOLERANCE, verification_error
 
 
 @dataclass
@@ -106,7 +106,7 @@ class ModelAdapter(ABC):
     def verify(self, site: AttentionSite) -> AttentionSite:
         """Check the site against a reference softmax attention built from its weights; records the outcome."""
         error = verification_error(site.module, self.carry(site), self.call_original)
-        site.verified = None if error is None else error < 1e-4
+        site.verified = None if error is None else error < TOLERANCE
         if site.verified is False:
             site.notes.append(f"reference softmax attention differs by {error:.2g} (relative)")
         return site

@@ -196,11 +196,6 @@ class VisualContrastAttention(nn.Module):
         else:
             raise ValueError(f"init mode must be 'preserve' or 'paper', got {mode!r}")
 
-    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, M*d] -> [B, M, T, d]."""
-        B, T, _ = x.shape
-        return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-
     def contrast_tokens(self, q: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """Pooled patch queries plus e₊ and e₋, per head: [B, M, 2n, d], the n t₊ tokens then the n t₋."""
         B, M, _, d = q.shape

@@ -152,10 +152,6 @@ def save_pretrained(
     return Path(directory)
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
-
-
 def weights_name(meta: dict[str, Any]) -> str:
     """The weights file of a checkpoint: model.safetensors (merged) or delta.safetensors (delta)."""
     return FORMS[meta.get("checkpoint_form", "merged")]
