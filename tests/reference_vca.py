@@ -52,7 +52,11 @@ def _lam(lam_module, lambda_init: float) -> torch.Tensor:
 
 
 def reference_vca(module, x: torch.Tensor, num_prefix: int, grid: tuple[int, int]) -> torch.Tensor:
-    """VCA forward of `module`'s parameters on x [B, N, C], all in float64 (no q/k norm, no gate)."""
+    """VCA forward of `module`'s parameters on x [B, N, C], all in float64 (no q/k norm, no gate).
+
+    Follows the module's softmax ("joint"/"separate"), prefix_readout ("contrast"/"exact") and Stage-II
+    temperature τ (logits s·τ·q·tᵀ, one τ per head).
+    """
     g = {k: v.detach().double() for k, v in module.state_dict().items()}
     x = x.double()
     B, N, _ = x.shape
@@ -81,8 +85,9 @@ def reference_vca(module, x: torch.Tensor, num_prefix: int, grid: tuple[int, int
     un = torch.einsum("bmij,bjmd->bmid", an, vh)
     vhat = (1 - li) * _rms(up - lam1 * un, g["stage1_norm.weight"], module.stage1_norm.eps)  # [B, M, n, d]
 
-    lp = s * torch.einsum("bimd,bjmd->bmij", qh, tp)  # [B, M, N, n]
-    ln_ = s * torch.einsum("bimd,bjmd->bmij", qh, tn)
+    tau = g["stage2_temperature"].view(1, M, 1, 1) if "stage2_temperature" in g else 1.0  # per head
+    lp = s * tau * torch.einsum("bimd,bjmd->bmij", qh, tp)  # [B, M, N, n]
+    ln_ = s * tau * torch.einsum("bimd,bjmd->bmij", qh, tn)
     if module.softmax == "joint":
         joint = _softmax(torch.cat([lp, ln_], dim=-1))
         a_pos, a_neg = joint[..., :n], joint[..., n:]
@@ -91,6 +96,9 @@ def reference_vca(module, x: torch.Tensor, num_prefix: int, grid: tuple[int, int
     o = torch.einsum("bmij,bmjd->bmid", a_pos - lam2 * a_neg, vhat)
     o = (1 - li) * _rms(o, g["stage2_norm.weight"], module.stage2_norm.eps)  # [B, M, N, d]
     o = o.permute(0, 2, 1, 3).reshape(B, N, C)
+    if module.prefix_readout == "exact":  # prefix rows: plain softmax attention over all N tokens, nothing else
+        attn = _softmax(s * torch.einsum("bimd,bjmd->bmij", qh[:, :num_prefix], kh))  # [B, M, P, N]
+        o[:, :num_prefix] = torch.einsum("bmij,bjmd->bimd", attn, vh).reshape(B, num_prefix, C)
 
     local = _depthwise3x3(v[:, num_prefix:].reshape(B, H, W, C), g["dwc.weight"], g["dwc.bias"])
     o[:, num_prefix:] += local.reshape(B, H * W, C)

@@ -1,8 +1,10 @@
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.reference_vca import reference_vca
 from vca_patch.attention import TokenLayout, VisualContrastAttention
+from vca_patch.attention.grid_pool import adaptive_avg_pool_tokens
 
 
 def _randomised(module: VisualContrastAttention) -> VisualContrastAttention:
@@ -30,6 +32,22 @@ def test_matches_float64_reference(softmax, num_prefix, grid):
     got = module(x, layout=TokenLayout(num_prefix, grid))
     rel = (got - expected).norm() / expected.norm()
     assert rel < 1e-10, rel
+
+
+@pytest.mark.parametrize("softmax", ["joint", "separate"])
+@pytest.mark.parametrize("num_prefix", [0, 1, 3])
+@pytest.mark.parametrize("grid", [(6, 6), (5, 8), (17, 11)])  # (17, 11): large enough to pool the layer input
+def test_default_readout_and_temperature_match_float64_reference(softmax, num_prefix, grid):
+    """The converted layer's defaults: exact prefix read-out and a per-head Stage-II temperature."""
+    options = {"prefix_readout": "exact", "stage2_temperature": True, "softmax": softmax}
+    module = _randomised(VisualContrastAttention(24, 3, contrast_grid=(2, 3), layer_index=4, **options)).double()
+    x = torch.randn(2, num_prefix + grid[0] * grid[1], 24, dtype=torch.float64)
+    expected = reference_vca(module, x, num_prefix, grid)
+    for grad in (False, True):  # the in-place inference path and the autograd path
+        with torch.set_grad_enabled(grad):
+            got = module(x, layout=TokenLayout(num_prefix, grid))
+        rel = (got - expected).norm() / expected.norm()
+        assert rel < 1e-10, (grad, rel)
 
 
 @pytest.mark.parametrize("softmax", ["joint", "separate"])
@@ -106,3 +124,45 @@ def test_backward_reaches_every_new_parameter_in_paper_init():
     module(x, layout=TokenLayout(1, (4, 4))).square().sum().backward()
     for name, p in module.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("grid, pooled", [((14, 14), (7, 7)), ((13, 9), (4, 3)), ((5, 7), (5, 7)), ((3, 2), (7, 7))])
+def test_grid_pooling_as_matmuls_equals_adaptive_avg_pool(grid, pooled):
+    P, C = 2, 5
+    sequence = torch.randn(3, P + grid[0] * grid[1], C, dtype=torch.float64)  # prefix rows in front, as in a ViT
+    image = sequence[:, P:].reshape(3, *grid, C).permute(0, 3, 1, 2)
+    expected = F.adaptive_avg_pool2d(image, pooled).flatten(2).transpose(1, 2)
+    torch.testing.assert_close(adaptive_avg_pool_tokens(sequence[:, P:], grid, pooled), expected, rtol=0, atol=1e-12)
+
+
+def test_cached_lambda_follows_parameter_updates():
+    module = VisualContrastAttention(16, 2, contrast_grid=(2, 2), layer_index=3)
+    module.reset_vca_parameters("paper")
+    with torch.inference_mode():
+        first = float(module.lambda1())
+        assert float(module.lambda1()) == first  # cached
+    with torch.no_grad():
+        module.lambda1.q1.mul_(2.0)  # an optimizer-style in-place update
+    with torch.inference_mode():
+        updated = float(module.lambda1())
+    lam = module.lambda1
+    q1, k1, q2, k2 = (p.detach().double() for p in (lam.q1, lam.k1, lam.q2, lam.k2))
+    expected = float(torch.exp(q1 @ k1) - torch.exp(q2 @ k2) + module.lambda_init)
+    assert updated != first and updated == pytest.approx(expected, rel=1e-6)
+    module.lambda1.load_state_dict({k: v * 3 for k, v in module.lambda1.state_dict().items()})  # copied in place too
+    with torch.inference_mode():
+        assert float(module.lambda1()) != updated
+
+
+def test_inference_then_training_with_cached_constants():
+    """Values cached under inference_mode (pooling windows, λ) must not leak into a later backward."""
+    module = VisualContrastAttention(16, 2, contrast_grid=(2, 2), prefix_readout="exact", stage2_temperature=True)
+    module.reset_vca_parameters("paper")
+    layout = TokenLayout(1, (12, 12))  # large enough to pool the layer input
+    x = torch.randn(2, 1 + 144, 16)
+    with torch.inference_mode():
+        expected = module(x, layout=layout)
+    out = module(x, layout=layout)
+    out.square().sum().backward()
+    torch.testing.assert_close(out.detach(), expected)
+    assert module.lambda1.q1.grad is not None and module.qkv.weight.grad is not None

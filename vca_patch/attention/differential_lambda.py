@@ -26,10 +26,23 @@ class DifferentialLambda(nn.Module):
         self.k1 = nn.Parameter(torch.empty(head_dim, device=device, dtype=dtype))
         self.q2 = nn.Parameter(torch.empty(head_dim, device=device, dtype=dtype))
         self.k2 = nn.Parameter(torch.empty(head_dim, device=device, dtype=dtype))
+        self._cached: tuple[tuple[tuple[int, int], ...], torch.Tensor] | None = None
         self.reset_random()
 
     def forward(self) -> torch.Tensor:
-        """λ as a 0-d tensor of at least float32 precision."""
+        """λ as a 0-d tensor of at least float32 precision.
+
+        Without autograd the value is cached until a vector changes (in place, or moved to a new tensor):
+        ten small ops per layer and stage are most of VCA's overhead on short sequences.
+        """
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self._compute()
+        key = tuple((p.data_ptr(), p._version) for p in (self.q1, self.k1, self.q2, self.k2))
+        if self._cached is None or self._cached[0] != key:
+            self._cached = (key, self._compute())
+        return self._cached[1]
+
+    def _compute(self) -> torch.Tensor:
         dtype = torch.promote_types(self.q1.dtype, torch.float32)
         q1, k1, q2, k2 = (p.to(dtype) for p in (self.q1, self.k1, self.q2, self.k2))
         return torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + self.lambda_init

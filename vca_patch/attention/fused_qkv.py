@@ -36,6 +36,10 @@ class SplitQKV(nn.Module):
             return None
         return torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections])
 
+    def query_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) of the q part alone."""
+        return self.q_proj.weight, self.q_proj.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., C_in] -> [..., 3·C_out]."""
         return F.linear(x, self.weight, self.bias)
@@ -62,6 +66,20 @@ class QKVWithSeparateBias(nn.Module):
             return None
         return torch.cat([self.q_bias, torch.zeros_like(self.q_bias), self.v_bias])
 
+    def query_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) of the q part alone."""
+        return self.qkv.weight[: self.out_features // 3], self.q_bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., C_in] -> [..., 3·C_out]."""
         return F.linear(x, self.qkv.weight, self.bias)
+
+
+def query_projection(qkv: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) that compute q alone from a fused qkv projection, or None for an unknown module."""
+    if isinstance(qkv, (SplitQKV, QKVWithSeparateBias)):
+        return qkv.query_projection()
+    if isinstance(qkv, nn.Linear):
+        width = qkv.out_features // 3
+        return qkv.weight[:width], None if qkv.bias is None else qkv.bias[:width]
+    return None

@@ -25,25 +25,38 @@ from torch import nn
 
 from .carried import CarriedAttention
 from .differential_lambda import DifferentialLambda, lambda_init_for_depth
+from .fused_qkv import query_projection
+from .grid_pool import adaptive_avg_pool_tokens
 from .layout import TokenLayout, resolve_layout
 
 SoftmaxMode = Literal["joint", "separate"]
 InitMode = Literal["preserve", "paper"]
 PrefixReadout = Literal["contrast", "exact"]
 
+# Pool the layer input (then project n rows) once the grid has this many patches per contrast token; below
+# it, pooling the projected queries is cheaper (measured on CPU: the extra n×C×C projection dominates).
+_POOL_INPUT_MIN_RATIO = 8
+
+
+def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """rsqrt(mean(x², -1) + eps) in at least float32: [..., d] -> [..., 1], one read of x."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    norm = torch.linalg.vector_norm(x, 2, dim=-1, keepdim=True, dtype=dtype)
+    return norm.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+
 
 class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm over the last dim that saves only its input and rsqrt (x̂ = x·rstd is recomputed in backward).
+    """x·rstd·weight that saves only x and rstd (x̂ = x·rstd is recomputed in backward).
 
-    The composite F.rms_norm also saves x̂, one more [.., d] activation per call; here the input is
-    usually the SDPA output, which SDPA's backward keeps anyway, so training memory stays at the original's.
+    Here x is always an SDPA output, which SDPA's backward keeps anyway, so the norm adds no activation.
+    Three passes over x (norm, scale, weight) where the composite `F.rms_norm` takes six on CPU.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        rstd = _inverse_rms(x, eps)
         ctx.save_for_backward(x, rstd, weight)
-        return y
+        return (x * rstd).mul_(weight).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
@@ -52,19 +65,20 @@ class _RMSNormFunction(torch.autograd.Function):
         grad_weight = (grad * x_hat).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
         grad_hat = grad * weight
         grad_x = rstd * (grad_hat - x_hat * (grad_hat * x_hat).mean(-1, keepdim=True))
-        return grad_x, grad_weight, None
+        return grad_x.to(x.dtype), grad_weight, None
 
 
-def _rms_norm(x: torch.Tensor, norm: nn.RMSNorm, scale: float = 1.0) -> torch.Tensor:
-    """scale·RMSNorm(x) computed in at least float32 (bf16/fp16 safe), returned in x's dtype.
+def _rms_norm(x: torch.Tensor, norm: nn.RMSNorm, scale: float = 1.0, *, inplace: bool = False) -> torch.Tensor:
+    """scale·RMSNorm(x), computed in at least float32 (bf16/fp16 safe), returned in x's dtype.
 
-    The scale is folded into the [d] weight, so it costs no pass over x.
+    The scale is folded into the [d] weight, so it costs no pass over x. Without autograd and with
+    `inplace`, x (a temporary of the caller's) is overwritten: two passes, no allocation.
     """
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    x32, weight = x.to(dtype), norm.weight.to(dtype) * scale
-    if torch.is_grad_enabled() and (x32.requires_grad or weight.requires_grad):
-        return _RMSNormFunction.apply(x32, weight, norm.eps).to(x.dtype)
-    return F.rms_norm(x32, norm.normalized_shape, weight, norm.eps).to(x.dtype)
+    weight = norm.weight.to(torch.promote_types(x.dtype, torch.float32)) * scale
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNormFunction.apply(x, weight, norm.eps)
+    rstd = _inverse_rms(x, norm.eps)
+    return x.mul_(rstd).mul_(weight) if inplace else (x * rstd).mul_(weight).to(x.dtype)
 
 
 def _patch_grid(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
@@ -196,14 +210,28 @@ class VisualContrastAttention(nn.Module):
         else:
             raise ValueError(f"init mode must be 'preserve' or 'paper', got {mode!r}")
 
-    def contrast_tokens(self, q: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
-        """Pooled patch queries plus e₊ and e₋, per head: [B, M, 2n, d], the n t₊ tokens then the n t₋."""
-        B, M, _, d = q.shape
-        n = self.num_contrast_tokens
+    def pooled_queries(self, x: torch.Tensor, q: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """t̃ = avgpool_{h×w}(q[patches]) at full width: [B, n, C].
+
+        Pooling commutes with the affine q projection (window weights sum to 1), so on grids much larger
+        than the contrast grid the layer input is pooled (two GEMMs over a dense grid) and only the n pooled
+        rows are projected; with a per-token q norm, or on small grids, the projected queries are pooled.
+        """
+        B = x.shape[0]
+        projection = query_projection(self.qkv) if isinstance(self.q_norm, nn.Identity) else None
+        if projection is not None and layout.num_patches >= _POOL_INPUT_MIN_RATIO * self.num_contrast_tokens:
+            patches = x[:, layout.num_prefix_tokens :]  # [B, H·W, C_in]
+            return F.linear(adaptive_avg_pool_tokens(patches, layout.grid, self.contrast_grid), *projection)
         pooled = F.adaptive_avg_pool2d(_patch_grid(q, layout), self.contrast_grid)  # [B, C, h, w], channels-last
-        pooled = pooled.permute(0, 2, 3, 1).reshape(B, 1, n, M * d)  # [B, 1, n, C]
-        embed = torch.cat([self.contrast_embed_pos, self.contrast_embed_neg]).to(pooled.dtype)  # [2, n, C]
-        return (pooled + embed).view(B, 2 * n, M, d).transpose(1, 2)  # one add for both streams
+        return pooled.permute(0, 2, 3, 1).reshape(B, self.num_contrast_tokens, self.attn_dim)
+
+    def contrast_tokens(self, x: torch.Tensor, q: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """t± = t̃ + e±, per head: [B, M, 2n, d], the n t₊ tokens then the n t₋."""
+        B, n = x.shape[0], self.num_contrast_tokens
+        pooled = self.pooled_queries(x, q, layout).unsqueeze(1)  # [B, 1, n, C]
+        embed = torch.cat([self.contrast_embed_pos, self.contrast_embed_neg])  # [2, n, C]
+        tokens = pooled + embed.to(pooled.dtype)  # one add for both streams: [B, 2, n, C]
+        return tokens.view(B, 2 * n, self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(
         self,
@@ -217,19 +245,23 @@ class VisualContrastAttention(nn.Module):
         B, N, _ = x.shape
         layout = resolve_layout("VisualContrastAttention", N, layout, self.layout_source, attn_mask, is_causal)
         n, P = self.num_contrast_tokens, layout.num_prefix_tokens
+        exact = P if self.prefix_readout == "exact" else 0  # prefix rows read all N keys in Stage I
 
         qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # [B, M, N, d] each
         q, k = self.q_norm(q), self.k_norm(k)
-        contrast = self.contrast_tokens(q, layout)  # [B, M, 2n, d]
+        contrast = self.contrast_tokens(x, q, layout)  # [B, M, 2n, d]
         lambda1 = self.lambda1().to(q.dtype)
         lambda2 = self.lambda2().to(q.dtype)
 
-        # Stage I: the 2n contrast tokens read all N tokens (prefix included): one SDPA call.
-        u_pos, u_neg = F.scaled_dot_product_attention(contrast, k, v, scale=self.scale).split(n, dim=2)
+        # Stage I: one SDPA call over all N tokens (prefix included) for the 2n contrast tokens and, under
+        # exact read-out, the P prefix queries, whose plain-softmax output is final.
+        queries = torch.cat([contrast, q[:, :, :exact]], dim=2) if exact else contrast  # [B, M, 2n+P', d]
+        stage1 = F.scaled_dot_product_attention(queries, k, v, scale=self.scale)
+        u_pos, u_neg, prefix_out = stage1.split([n, n, exact], dim=2)
         v_hat = _rms_norm(u_pos - lambda1 * u_neg, self.stage1_norm, 1 - self.lambda_init)  # [B, M, n, d]
 
-        # Stage II: every token reads the contrast tokens (prefix rows are replaced below under exact read-out).
+        # Stage II: every token reads the 2n contrast tokens.
         keys = contrast
         if self.stage2_temperature is not None:  # s·τ·q·tᵀ: scale the 2n keys rather than the N queries
             keys = contrast * self.stage2_temperature.to(contrast.dtype).view(1, -1, 1, 1)
@@ -238,13 +270,12 @@ class VisualContrastAttention(nn.Module):
             o = F.scaled_dot_product_attention(q, keys, torch.cat([v_hat, -lambda2 * v_hat], dim=2), scale=self.scale)
         else:
             k_pos, k_neg = keys.split(n, dim=2)
-            o_pos = F.scaled_dot_product_attention(q, k_pos, v_hat, scale=self.scale)
-            o_neg = F.scaled_dot_product_attention(q, k_neg, v_hat, scale=self.scale)
-            o = o_pos - lambda2 * o_neg
+            o = F.scaled_dot_product_attention(q, k_pos, v_hat, scale=self.scale)
+            o = o - lambda2 * F.scaled_dot_product_attention(q, k_neg, v_hat, scale=self.scale)
         # SDPA returns [B, M, N, d] with [B, N, M, d] memory: normalise in that layout, so merging heads is a view.
-        o = _rms_norm(o.transpose(1, 2), self.stage2_norm, 1 - self.lambda_init)  # [B, N, M, d]
-        if self.prefix_readout == "exact" and P > 0:  # prefix rows: plain softmax over all N keys, raw output
-            o[:, :P] = F.scaled_dot_product_attention(q[:, :, :P], k, v, scale=self.scale).transpose(1, 2)
+        o = _rms_norm(o.transpose(1, 2), self.stage2_norm, 1 - self.lambda_init, inplace=True)  # [B, N, M, d]
+        if exact:
+            o[:, :P] = prefix_out.transpose(1, 2)
         o = o.reshape(B, N, self.attn_dim)
 
         # Local term: depthwise 3×3 conv on the patch values; prefix rows get none.
