@@ -166,3 +166,45 @@ def test_inference_then_training_with_cached_constants():
     out.square().sum().backward()
     torch.testing.assert_close(out.detach(), expected)
     assert module.lambda1.q1.grad is not None and module.qkv.weight.grad is not None
+
+
+def _saved_bytes(module: torch.nn.Module, x: torch.Tensor, **kwargs) -> int:
+    """Bytes of the distinct storages autograd keeps for backward after one forward (x itself excluded)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() != x.untyped_storage().data_ptr():
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x, **kwargs)
+    out.sum().backward()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("grid", [(14, 14), (32, 32)])
+def test_training_saves_no_more_than_softmax_attention(grid):
+    from timm.models.vision_transformer import Attention
+
+    dim, heads = 96, 4
+    x = torch.randn(2, 1 + grid[0] * grid[1], dim, requires_grad=True)
+    original = _saved_bytes(Attention(dim, heads, qkv_bias=True), x)
+    vca = VisualContrastAttention(dim, heads, prefix_readout="exact", stage2_temperature=True)
+    vca.reset_vca_parameters("paper")
+    saved = _saved_bytes(vca, x, layout=TokenLayout(1, grid))
+    token_rows = x.shape[0] * x.shape[1] * dim * 4  # one [B, N, C] float32 activation
+    assert saved <= original, (saved / token_rows, original / token_rows)
+    vca.recompute_in_backward = False  # the trade-off: without recomputation it keeps more than the original
+    assert _saved_bytes(vca, x, layout=TokenLayout(1, grid)) > original
+
+
+def test_rms_norm_backward_matches_autograd_of_the_formula():
+    from vca_patch.attention.vca import _RMSNormFunction
+
+    x = torch.randn(2, 5, 3, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, w: _RMSNormFunction.apply(a, w, 1e-5), (x, weight))
+    expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
+    torch.testing.assert_close(_RMSNormFunction.apply(x, weight, 1e-5), expected)

@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .carried import CarriedAttention
 from .differential_lambda import DifferentialLambda, lambda_init_for_depth
@@ -64,7 +65,8 @@ class _RMSNormFunction(torch.autograd.Function):
         x_hat = x * rstd
         grad_weight = (grad * x_hat).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
         grad_hat = grad * weight
-        grad_x = rstd * (grad_hat - x_hat * (grad_hat * x_hat).mean(-1, keepdim=True))
+        dot = (grad_hat * x_hat).mean(-1, keepdim=True)
+        grad_x = x_hat.mul_(dot.neg_()).add_(grad_hat).mul_(rstd)  # rstd·(ĝ − x̂·mean(ĝ·x̂)), in x_hat's buffer
         return grad_x.to(x.dtype), grad_weight, None
 
 
@@ -153,6 +155,9 @@ class VisualContrastAttention(nn.Module):
         self.prefix_readout = prefix_readout
         # Token layout for calls that do not pass one (set by model surgery).
         self.layout_source: Callable[[], TokenLayout] | None = None
+        # Training: recompute everything after the q/k/v projection in backward (activation memory below softmax
+        # attention's, for one more attention forward minus the qkv GEMM). Off: faster steps, more memory.
+        self.recompute_in_backward = True
 
         # Carried over from softmax attention (adapters swap in the original modules).
         self.qkv = qkv if qkv is not None else nn.Linear(dim, 3 * attn_dim, bias=qkv_bias)
@@ -210,6 +215,25 @@ class VisualContrastAttention(nn.Module):
         else:
             raise ValueError(f"init mode must be 'preserve' or 'paper', got {mode!r}")
 
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v per head: [B, M, N, d] each.
+
+        Without autograd, a plain fused `qkv` Linear runs as two GEMMs, q|k and v, so that v is dense and the
+        depthwise conv reads its patch rows without a copy (when B = 1 or there is no prefix); otherwise, and
+        for any other projection module or one with hooks, the module runs as it is.
+        """
+        B, N, _ = x.shape
+        M, d, C = self.num_heads, self.head_dim, self.attn_dim
+        linear = self.qkv
+        split = type(linear) is nn.Linear and not (linear._forward_hooks or linear._forward_pre_hooks)
+        if not split or (torch.is_grad_enabled() and linear.weight.requires_grad):  # slices' grads: 2 more copies
+            return self.qkv(x).view(B, N, 3, M, d).permute(2, 0, 3, 1, 4).unbind(0)
+        bias = linear.bias
+        qk = F.linear(x, linear.weight[: 2 * C], None if bias is None else bias[: 2 * C])
+        v = F.linear(x, linear.weight[2 * C :], None if bias is None else bias[2 * C :])
+        q, k = qk.view(B, N, 2, M, d).permute(2, 0, 3, 1, 4).unbind(0)
+        return q, k, v.view(B, N, M, d).transpose(1, 2)
+
     def pooled_queries(self, x: torch.Tensor, q: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """t̃ = avgpool_{h×w}(q[patches]) at full width: [B, n, C].
 
@@ -242,13 +266,20 @@ class VisualContrastAttention(nn.Module):
         layout: TokenLayout | None = None,
     ) -> torch.Tensor:
         """x: [B, N, dim] with N = prefix + H·W tokens -> [B, N, dim_out]."""
-        B, N, _ = x.shape
-        layout = resolve_layout("VisualContrastAttention", N, layout, self.layout_source, attn_mask, is_causal)
+        layout = resolve_layout("VisualContrastAttention", x.shape[1], layout, self.layout_source, attn_mask, is_causal)
+        q, k, v = self.project_qkv(x)  # [B, M, N, d] each
+        if self.recompute_in_backward and torch.is_grad_enabled() and (q.requires_grad or v.requires_grad):
+            # Training: keep only x, q, k, v (what softmax attention keeps, less its output) and run the rest
+            # again in backward; the 2n-token tensors would otherwise add up to 8n/N token rows per layer.
+            return checkpoint(self.attend, x, q, k, v, layout, use_reentrant=False)
+        return self.attend(x, q, k, v, layout)
+
+    def attend(
+        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout
+    ) -> torch.Tensor:
+        """Everything after the q/k/v projection: x [B, N, dim] and q, k, v [B, M, N, d] -> [B, N, dim_out]."""
         n, P = self.num_contrast_tokens, layout.num_prefix_tokens
         exact = P if self.prefix_readout == "exact" else 0  # prefix rows read all N keys in Stage I
-
-        qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # [B, M, N, d] each
         q, k = self.q_norm(q), self.k_norm(k)
         contrast = self.contrast_tokens(x, q, layout)  # [B, M, 2n, d]
         lambda1 = self.lambda1().to(q.dtype)
@@ -272,14 +303,26 @@ class VisualContrastAttention(nn.Module):
             k_pos, k_neg = keys.split(n, dim=2)
             o = F.scaled_dot_product_attention(q, k_pos, v_hat, scale=self.scale)
             o = o - lambda2 * F.scaled_dot_product_attention(q, k_neg, v_hat, scale=self.scale)
+        return self.output(x, o, prefix_out, v, layout)
+
+    def output(
+        self, x: torch.Tensor, o: torch.Tensor, prefix_out: torch.Tensor, v: torch.Tensor, layout: TokenLayout
+    ) -> torch.Tensor:
+        """y = proj((1−λ_init)·RMSNorm₂(o) + DWC(v[patches])), prefix rows replaced by `prefix_out` when given.
+
+        o: Stage-II output [B, M, N, d]; prefix_out: exact prefix read-out [B, M, P', d] (P' = 0: none);
+        v: values [B, M, N, d]. Without autograd, o is normalised in place.
+        """
+        B, _, N, _ = o.shape
+        P = layout.num_prefix_tokens
         # SDPA returns [B, M, N, d] with [B, N, M, d] memory: normalise in that layout, so merging heads is a view.
         o = _rms_norm(o.transpose(1, 2), self.stage2_norm, 1 - self.lambda_init, inplace=True)  # [B, N, M, d]
-        if exact:
+        if prefix_out.shape[2]:
             o[:, :P] = prefix_out.transpose(1, 2)
         o = o.reshape(B, N, self.attn_dim)
 
         # Local term: depthwise 3×3 conv on the patch values; prefix rows get none.
-        # Channels-last conv straight on the qkv output (oneDNN's NHWC depthwise kernel, ~2x NCHW on CPU);
+        # Channels-last conv straight on the value rows (oneDNN's NHWC depthwise kernel, ~2x NCHW on CPU);
         # the result is NHWC, so back to tokens is a view, and it is added in place (no concatenation copy).
         local = self.dwc(_patch_grid(v, layout)).permute(0, 2, 3, 1).reshape(B, N - P, self.attn_dim)  # [B, H*W, C]
         o[:, P:] += local

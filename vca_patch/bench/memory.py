@@ -1,66 +1,68 @@
-"""Peak memory of one call: CUDA allocator statistics, or the process's RSS high-water mark on CPU.
+"""Peak memory of one call: CUDA allocator statistics, or a live-tensor tracker on CPU.
 
-On CPU, torch allocates from malloc, which tracemalloc does not see. `cpu_peak_mib` makes glibc hand
-every block of 64 KiB or more straight to the kernel (mmap) and back on free, trims the heap, resets
-the kernel's RSS high-water mark (/proc/self/clear_refs) and reports the rise of VmHWM over the
-resident size before the call: the peak of memory touched during the call, whoever allocated it.
-The malloc setting stays for the rest of the process, so measure memory after timing.
+The CPU allocator keeps no statistics, and the process's resident size moves by megabytes with malloc's
+heap policy, oneDNN caches and thread stacks. `cpu_peak_mib` instead watches every tensor the call's ops
+create (a dispatch mode, so autograd's backward ops and saved tensors count too) and frees each one's bytes
+when its storage dies: the peak of tensor memory allocated during the call, reproducible to the byte. It is
+the CPU counterpart of `torch.cuda.max_memory_allocated`; scratch buffers a fused kernel keeps to itself
+(SDPA's per-thread blocks, oneDNN workspaces) are not tensors and are not counted.
 """
 
 from __future__ import annotations
 
-import ctypes
 import gc
-import re
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-_M_MMAP_THRESHOLD = -3
 _MIB = 2**20
 
 
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr() if tensor.device.type != "meta" else 0
 
 
-def _status_kib(field: str) -> int:
-    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
-    if match is None:
-        raise RuntimeError(f"/proc/self/status has no {field}")
-    return int(match.group(1))
+class LiveTensorBytes(TorchDispatchMode):
+    """Tracks the bytes of storages created by ops while active; `peak` is their high-water mark."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = 0
+        self.peak = 0
 
-def cpu_memory_supported() -> bool:
-    """True on Linux with glibc and a writable /proc/self/clear_refs."""
-    if _libc() is None or not Path("/proc/self/clear_refs").exists():
-        return False
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        _status_kib("VmHWM")
-    except (OSError, RuntimeError):
-        return False
-    return True
+    def _release_dead(self) -> None:
+        for key, (ref, nbytes) in list(self._live.items()):
+            if ref.expired():
+                del self._live[key]
+                self.current -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._release_dead()  # before registering, so a reused address is not mistaken for a live storage
+        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                storage = tensor.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self._live and key not in inputs:  # views and in-place results are not new
+                    self._live[key] = (StorageWeakRef(storage), storage.nbytes())
+                    self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        return out
 
 
 def cpu_peak_mib(fn: Callable[[], object]) -> float:
-    """Peak resident memory added while fn() runs, in MiB (Linux + glibc)."""
-    libc = _libc()
-    if libc is None:
-        raise RuntimeError("CPU peak memory needs glibc (Linux)")
-    libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
+    """Peak bytes of the tensors fn() allocates (alive at once), in MiB."""
     gc.collect()
-    libc.malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = _status_kib("VmRSS")
-    result = fn()
-    peak = _status_kib("VmHWM")
-    del result
-    return (peak - before) / 1024
+    with LiveTensorBytes() as tracker:
+        result = fn()
+        del result
+    return tracker.peak / _MIB
 
 
 def cuda_peak_mib(fn: Callable[[], object], device: torch.device) -> float:
@@ -77,5 +79,5 @@ def cuda_peak_mib(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def peak_mib(fn: Callable[[], object], device: torch.device) -> float:
-    """Peak memory added by fn() on `device` (CUDA allocator, or CPU RSS high-water mark), in MiB."""
+    """Peak memory added by fn() on `device` (CUDA allocator, or live CPU tensors), in MiB."""
     return cuda_peak_mib(fn, device) if device.type == "cuda" else cpu_peak_mib(fn)

@@ -127,7 +127,7 @@ def run_sweep(variants: list[Variant], settings: BenchSettings, log: Callable[[s
             m.latency_ms = median(times) * 1e3
             m.throughput = settings.batch / median(times)
 
-    if settings.memory:  # after all timing: the CPU method changes malloc for the rest of the process
+    if settings.memory:  # after all timing: the CPU tracker sees every op, so it must not run inside a timed call
         for px in settings.resolutions:
             x = inputs[px]
             for v in variants:
