@@ -208,3 +208,32 @@ def test_rms_norm_backward_matches_autograd_of_the_formula():
     assert torch.autograd.gradcheck(lambda a, w: _RMSNormFunction.apply(a, w, 1e-5), (x, weight))
     expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
     torch.testing.assert_close(_RMSNormFunction.apply(x, weight, 1e-5), expected)
+
+
+@pytest.mark.parametrize("batch, num_prefix", [(1, 1), (2, 0), (2, 1)])  # the last: strided rows, plain conv
+def test_float32_inference_paths_match_float64_reference(batch, num_prefix):
+    options = {"prefix_readout": "exact", "stage2_temperature": True}
+    module = _randomised(VisualContrastAttention(32, 4, contrast_grid=(3, 3), layer_index=2, **options))
+    grid = (9, 7)
+    x = torch.randn(batch, num_prefix + 63, 32)
+    expected = reference_vca(module, x, num_prefix, grid)
+    with torch.inference_mode():
+        got = module(x, layout=TokenLayout(num_prefix, grid)).double()
+    assert (got - expected).norm() / expected.norm() < 1e-5
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_fused_conv_add_kernel_is_taken_and_exact():
+    from vca_patch.attention.local_conv import _fused_kernel_usable, add_conv_
+
+    conv = torch.nn.Conv2d(16, 16, 3, padding=1, groups=16)
+    tokens = torch.randn(1, 1 + 35, 16)  # one prefix row, then a 5x7 grid
+    out = torch.randn(1, 1 + 35, 16)
+    grid_in = tokens[:, 1:].view(1, 5, 7, 16).permute(0, 3, 1, 2)
+    grid_out = out[:, 1:].view(1, 5, 7, 16).permute(0, 3, 1, 2)
+    with torch.inference_mode():
+        expected = out.clone()
+        expected[:, 1:] += conv(grid_in).permute(0, 2, 3, 1).reshape(1, 35, 16)
+        assert _fused_kernel_usable(grid_out, grid_in, conv)
+        add_conv_(grid_out, grid_in, conv)
+    torch.testing.assert_close(out, expected)  # prefix row untouched, patch rows += conv

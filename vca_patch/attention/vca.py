@@ -29,6 +29,7 @@ from .differential_lambda import DifferentialLambda, lambda_init_for_depth
 from .fused_qkv import query_projection
 from .grid_pool import adaptive_avg_pool_tokens
 from .layout import TokenLayout, resolve_layout
+from .local_conv import add_conv_
 
 SoftmaxMode = Literal["joint", "separate"]
 InitMode = Literal["preserve", "paper"]
@@ -321,11 +322,10 @@ class VisualContrastAttention(nn.Module):
             o[:, :P] = prefix_out.transpose(1, 2)
         o = o.reshape(B, N, self.attn_dim)
 
-        # Local term: depthwise 3×3 conv on the patch values; prefix rows get none.
-        # Channels-last conv straight on the value rows (oneDNN's NHWC depthwise kernel, ~2x NCHW on CPU);
-        # the result is NHWC, so back to tokens is a view, and it is added in place (no concatenation copy).
-        local = self.dwc(_patch_grid(v, layout)).permute(0, 2, 3, 1).reshape(B, N - P, self.attn_dim)  # [B, H*W, C]
-        o[:, P:] += local
+        # Local term: depthwise 3×3 conv on the patch values, added in place to the patch rows (prefix rows get
+        # none). Both grids are channels-last views of token rows (oneDNN's NHWC depthwise kernel, ~2x NCHW on CPU).
+        H, W = layout.grid
+        add_conv_(o[:, P:].view(B, H, W, self.attn_dim).permute(0, 3, 1, 2), _patch_grid(v, layout), self.dwc)
 
         o = self.norm(o)
         if self.gate is not None:
