@@ -64,10 +64,12 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, rstd, weight = ctx.saved_tensors
         x_hat = x * rstd
-        grad_weight = (grad * x_hat).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
-        grad_hat = grad * weight
-        dot = (grad_hat * x_hat).mean(-1, keepdim=True)
-        grad_x = x_hat.mul_(dot.neg_()).add_(grad_hat).mul_(rstd)  # rstd·(ĝ − x̂·mean(ĝ·x̂)), in x_hat's buffer
+        grad_x_hat = grad * x_hat
+        grad_weight = grad_x_hat.flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
+        dot = (grad_x_hat @ weight).unsqueeze(-1).div_(-x.shape[-1])  # −mean(g·w·x̂) over d
+        del grad_x_hat
+        # rstd·(g·w − x̂·mean(g·w·x̂)), built in x_hat's buffer: two [.., d] temporaries at most.
+        grad_x = x_hat.mul_(dot).addcmul_(grad, weight).mul_(rstd)
         return grad_x.to(x.dtype), grad_weight, None
 
 
