@@ -106,15 +106,19 @@ def test_layout_mismatch_is_a_clear_error():
         module(torch.randn(1, 17, 16), attn_mask=torch.ones(17, 17, dtype=torch.bool), layout=TokenLayout(1, (4, 4)))
 
 
-def test_bf16_autocast_is_finite_and_close():
-    module = VisualContrastAttention(32, 4, contrast_grid=(2, 2))
-    x = torch.randn(2, 1 + 25, 32)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_autocast_is_finite_and_close(dtype):
+    module = VisualContrastAttention(32, 4, contrast_grid=(2, 2), prefix_readout="exact", stage2_temperature=True)
+    module.reset_vca_parameters("paper")
+    x = torch.randn(2, 1 + 25, 32, requires_grad=True)
     layout = TokenLayout(1, (5, 5))
     ref = module(x, layout=layout)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=dtype):
         out = module(x, layout=layout)
-    assert torch.isfinite(out).all()
+    assert out.dtype == dtype and torch.isfinite(out).all()
     assert (out.float() - ref).norm() / ref.norm() < 5e-2
+    out.float().square().sum().backward()  # λ, both RMSNorms and their backward stay in float32
+    assert torch.isfinite(x.grad).all() and torch.isfinite(module.lambda2.q1.grad).all()
 
 
 def test_backward_reaches_every_new_parameter_in_paper_init():
