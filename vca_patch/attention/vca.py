@@ -89,8 +89,8 @@ def _rms_norm(x: torch.Tensor, norm: nn.RMSNorm, scale: float = 1.0, *, inplace:
 def _patch_grid(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
     """[B, M, N, d] per-head tokens -> [B, M*d, H, W] grid of the patch rows, channels-last strides.
 
-    A view (no copy) when x is a head view of a fused [B, N, 3·M·d] qkv output, so pooling and the depthwise
-    conv run their channels-last kernels straight on the projection output; a copy otherwise.
+    A view (no copy) when x is a head view of token rows ([B, N, k·M·d] projection outputs), so pooling and the
+    depthwise conv run their channels-last kernels straight on the projection output.
     """
     B, M, _, d = x.shape
     H, W = layout.grid
