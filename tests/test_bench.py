@@ -207,3 +207,15 @@ def test_vca_compiles_without_graph_breaks(softmax):
     assert x.grad is not None and module.lambda2.q1.grad is not None
     explained = torch._dynamo.explain(module)(x, layout=layout)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+def test_vca_inference_compiles_without_graph_breaks():
+    """The no-autograd paths (in-place norm, split qkv, input pooling, cached λ) trace too."""
+    torch._dynamo.reset()
+    module = VisualContrastAttention(32, 4, contrast_grid=(2, 2), prefix_readout="exact", stage2_temperature=True)
+    module.reset_vca_parameters("paper")
+    layout = TokenLayout(1, (8, 9))  # 72 patches ≥ 8·4: the layer input is pooled
+    x = torch.randn(1, 73, 32)
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, layout=layout), module(x, layout=layout), atol=1e-5, rtol=1e-5)
