@@ -241,3 +241,17 @@ def test_fused_conv_add_kernel_is_taken_and_exact():
         assert _fused_kernel_usable(grid_out, grid_in, conv)
         add_conv_(grid_out, grid_in, conv)
     torch.testing.assert_close(out, expected)  # prefix row untouched, patch rows += conv
+
+
+def test_recomputation_with_a_frozen_projection_still_trains_the_new_parameters():
+    module = VisualContrastAttention(16, 2, contrast_grid=(2, 2), prefix_readout="exact", stage2_temperature=True)
+    module.reset_vca_parameters("paper")
+    module.qkv.requires_grad_(False)  # frozen carried weights and an input without grad: only VCA's own params train
+    x = torch.randn(2, 1 + 16, 16)
+    layout = TokenLayout(1, (4, 4))
+    kept = _saved_bytes(module, x, layout=layout)
+    assert kept <= 3 * 2 * 17 * 16 * 4  # q, k, v only: the rest is recomputed in backward
+    module.recompute_in_backward = False
+    assert _saved_bytes(module, x, layout=layout) > kept
+    for name in ("contrast_embed_pos", "lambda1.q1", "dwc.weight", "stage2_temperature"):
+        assert module.get_parameter(name).grad is not None, name

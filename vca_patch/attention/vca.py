@@ -271,7 +271,8 @@ class VisualContrastAttention(nn.Module):
         """x: [B, N, dim] with N = prefix + H·W tokens -> [B, N, dim_out]."""
         layout = resolve_layout("VisualContrastAttention", x.shape[1], layout, self.layout_source, attn_mask, is_causal)
         q, k, v = self.project_qkv(x)  # [B, M, N, d] each
-        if self.recompute_in_backward and torch.is_grad_enabled() and (q.requires_grad or v.requires_grad):
+        trains = q.requires_grad or v.requires_grad or self.contrast_embed_pos.requires_grad  # frozen backbone too
+        if self.recompute_in_backward and torch.is_grad_enabled() and trains:
             # Training: keep only x, q, k, v (what softmax attention keeps, less its output) and run the rest
             # again in backward; the 2n-token tensors would otherwise add up to 8n/N token rows per layer.
             return checkpoint(self.attend, x, q, k, v, layout, use_reentrant=False)
