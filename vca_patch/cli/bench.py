@@ -102,6 +102,11 @@ def bench(
     console.print(ratios_table(result))
     for line in crossover_lines(result):
         console.print(line)
+    if device == "cpu" and result["meta"]["malloc"] == "default" and max(settings.resolutions) >= 1024:
+        console.print(
+            "[dim]Large CPU tensors fault in 4 KiB pages under glibc's default malloc, a noisy cost shared by both"
+            " models; GLIBC_TUNABLES=glibc.malloc.hugetlb=1 backs them with huge pages.[/]"
+        )
     if json_path is not None:
         write_json(result, json_path)
         console.print(f"[bold green]Wrote[/] {json_path}")
