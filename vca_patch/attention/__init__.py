@@ -1,6 +1,6 @@
 """Attention math, independent of any model library."""
 
-from .carried import CarriedAttention
+from .carried import CarriedAttention, CarriedAttentionLayer
 from .differential_lambda import DifferentialLambda, lambda_init_for_depth
 from .fused_qkv import QKVWithSeparateBias, SplitQKV
 from .layout import TokenLayout
@@ -9,6 +9,7 @@ from .vca import VisualContrastAttention
 
 __all__ = [
     "CarriedAttention",
+    "CarriedAttentionLayer",
     "DifferentialLambda",
     "MultipoleAttention",
     "QKVWithSeparateBias",

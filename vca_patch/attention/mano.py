@@ -21,14 +21,13 @@ the original attention.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .carried import CarriedAttention
+from .carried import CarriedAttentionLayer
 from .layout import TokenLayout, grid_to_tokens, resolve_layout
 from .multipole_levels import Level, plan_levels, vcycle_weights
 from .windows import pad_grid, window_key_mask, window_merge, window_partition
@@ -39,7 +38,7 @@ PrefixMode = Literal["global", "separate"]
 InitMode = Literal["preserve", "multipole", "random"]
 
 
-class MultipoleAttention(nn.Module):
+class MultipoleAttention(CarriedAttentionLayer):
     """Multi-head Multipole Attention over `num_prefix_tokens + H·W` tokens.
 
     Args:
@@ -77,11 +76,6 @@ class MultipoleAttention(nn.Module):
         qkv: nn.Linear | None = None,
         proj: nn.Linear | None = None,
     ) -> None:
-        super().__init__()
-        if head_dim is None:
-            if dim % num_heads:
-                raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-            head_dim = dim // num_heads
         if down not in ("conv", "avg"):
             raise ValueError(f"down must be 'conv' or 'avg', got {down!r}")
         if up not in ("conv", "nearest"):
@@ -94,38 +88,20 @@ class MultipoleAttention(nn.Module):
             raise ValueError(f"window must be a positive integer, got {window}")
         if levels is not None and levels < 1:
             raise ValueError(f"levels must be ≥ 1 or None (auto), got {levels}")
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.attn_dim = attn_dim = num_heads * head_dim
-        self.scale = head_dim**-0.5
+        super().__init__(
+            dim, num_heads, head_dim=head_dim, dim_out=dim_out, qkv_bias=qkv_bias, proj_bias=proj_bias,
+            proj_drop=proj_drop, qkv=qkv, proj=proj,
+        )  # fmt: skip
         self.window, self.rate, self.levels = window, rate, levels
         self.down_mode, self.up_mode, self.prefix, self.pad = down, up, prefix, pad
-        # Token layout for calls that do not pass one (set by model surgery).
-        self.layout_source: Callable[[], TokenLayout] | None = None
-
-        # Carried over from softmax attention (adapters swap in the original modules).
-        self.qkv = qkv if qkv is not None else nn.Linear(dim, 3 * attn_dim, bias=qkv_bias)
-        self.q_norm: nn.Module = nn.Identity()
-        self.k_norm: nn.Module = nn.Identity()
-        self.norm: nn.Module = nn.Identity()  # optional norm before proj
-        self.gate: nn.Module | None = None  # optional sigmoid output gate, computed from each level's input
-        self.proj = proj if proj is not None else nn.Linear(attn_dim, dim_out or dim, bias=proj_bias)
-        if self.qkv.out_features != 3 * attn_dim or self.proj.in_features != attn_dim:
-            raise ValueError(f"qkv/proj shapes do not fit {num_heads} heads of width {head_dim}")
-        self.proj_drop = nn.Dropout(proj_drop)
 
         # New MANO parameters, on the device and dtype of the carried weights.
-        dd = {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}
+        dd = self.factory_kwargs
         C, C_out = self.qkv.in_features, self.proj.out_features
         self.down = nn.Conv2d(C, C, rate, stride=rate, bias=False, **dd) if down == "conv" else None
         self.up = nn.ConvTranspose2d(C_out, C_out, rate, stride=rate, bias=False, **dd) if up == "conv" else None
         self.up_gain = nn.Parameter(torch.zeros(C_out, **dd)) if up == "nearest" else None
         self.reset_mano_parameters("preserve")
-
-    @classmethod
-    def from_carried(cls, carried: CarriedAttention, **kwargs) -> MultipoleAttention:
-        """MANO reusing an attention module's q/k/v/proj (and norms, gate, dropout) as they are."""
-        return carried.instantiate(cls, **kwargs)
 
     @torch.no_grad()
     def reset_mano_parameters(self, mode: InitMode = "preserve") -> None:

@@ -16,7 +16,6 @@ nothing about model libraries: adapters hand it q/k/v/proj and the token layout.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .carried import CarriedAttention
+from .carried import CarriedAttentionLayer
 from .differential_lambda import DifferentialLambda, lambda_init_for_depth
 from .fused_qkv import query_projection
 from .grid_pool import adaptive_avg_pool_tokens
@@ -97,7 +96,7 @@ def _patch_grid(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
     return x.transpose(1, 2)[:, layout.num_prefix_tokens :].reshape(B, H, W, M * d).permute(0, 3, 1, 2)
 
 
-class VisualContrastAttention(nn.Module):
+class VisualContrastAttention(CarriedAttentionLayer):
     """Multi-head Visual-Contrast Attention over `num_prefix_tokens + H·W` tokens.
 
     Args:
@@ -135,46 +134,29 @@ class VisualContrastAttention(nn.Module):
         prefix_readout: PrefixReadout = "contrast",
         stage2_temperature: bool = False,
     ) -> None:
-        super().__init__()
-        if head_dim is None:
-            if dim % num_heads:
-                raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-            head_dim = dim // num_heads
         if softmax not in ("joint", "separate"):
             raise ValueError(f"softmax must be 'joint' or 'separate', got {softmax!r}")
         if prefix_readout not in ("contrast", "exact"):
             raise ValueError(f"prefix_readout must be 'contrast' or 'exact', got {prefix_readout!r}")
         if min(contrast_grid) < 1:
             raise ValueError(f"contrast_grid must be positive, got {contrast_grid}")
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.attn_dim = attn_dim = num_heads * head_dim
-        self.scale = head_dim**-0.5
+        super().__init__(
+            dim, num_heads, head_dim=head_dim, dim_out=dim_out, qkv_bias=qkv_bias, proj_bias=proj_bias,
+            proj_drop=proj_drop, qkv=qkv, proj=proj,
+        )  # fmt: skip
+        head_dim, attn_dim = self.head_dim, self.attn_dim
         self.contrast_grid = tuple(contrast_grid)
         self.num_contrast_tokens = n = contrast_grid[0] * contrast_grid[1]
         self.layer_index = layer_index
         self.lambda_init = lambda_init_for_depth(layer_index)
         self.softmax = softmax
         self.prefix_readout = prefix_readout
-        # Token layout for calls that do not pass one (set by model surgery).
-        self.layout_source: Callable[[], TokenLayout] | None = None
         # Training: recompute everything after the q/k/v projection in backward (activation memory below softmax
         # attention's, for one more attention forward minus the qkv GEMM). Off: faster steps, more memory.
         self.recompute_in_backward = True
 
-        # Carried over from softmax attention (adapters swap in the original modules).
-        self.qkv = qkv if qkv is not None else nn.Linear(dim, 3 * attn_dim, bias=qkv_bias)
-        self.q_norm: nn.Module = nn.Identity()
-        self.k_norm: nn.Module = nn.Identity()
-        self.norm: nn.Module = nn.Identity()  # optional norm before proj
-        self.gate: nn.Module | None = None  # optional sigmoid output gate, computed from x
-        self.proj = proj if proj is not None else nn.Linear(attn_dim, dim_out or dim, bias=proj_bias)
-        if self.qkv.out_features != 3 * attn_dim or self.proj.in_features != attn_dim:
-            raise ValueError(f"qkv/proj shapes do not fit {num_heads} heads of width {head_dim}")
-        self.proj_drop = nn.Dropout(proj_drop)
-
         # New VCA parameters (2nC + 10d + 10C), on the device and dtype of the carried weights.
-        dd = {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}
+        dd = self.factory_kwargs
         self.contrast_embed_pos = nn.Parameter(torch.zeros(1, n, attn_dim, **dd))
         self.contrast_embed_neg = nn.Parameter(torch.zeros(1, n, attn_dim, **dd))
         self.lambda1 = DifferentialLambda(head_dim, self.lambda_init, **dd)
@@ -184,11 +166,6 @@ class VisualContrastAttention(nn.Module):
         self.dwc = nn.Conv2d(attn_dim, attn_dim, 3, padding=1, groups=attn_dim, **dd)
         self.stage2_temperature = nn.Parameter(torch.ones(num_heads, **dd)) if stage2_temperature else None
         self.reset_vca_parameters("preserve")
-
-    @classmethod
-    def from_carried(cls, carried: CarriedAttention, **kwargs) -> VisualContrastAttention:
-        """VCA reusing an attention module's q/k/v/proj (and norms, gate, dropout) as they are."""
-        return carried.instantiate(cls, **kwargs)
 
     @torch.no_grad()
     def reset_vca_parameters(self, mode: InitMode = "preserve") -> None:
