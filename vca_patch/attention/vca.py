@@ -222,8 +222,9 @@ class VisualContrastAttention(CarriedAttentionLayer):
         rows are projected; with a per-token q norm, or on small grids, the projected queries are pooled.
         """
         B = x.shape[0]
-        projection = query_projection(self.qkv) if isinstance(self.q_norm, nn.Identity) else None
-        if projection is not None and layout.num_patches >= _POOL_INPUT_MIN_RATIO * self.num_contrast_tokens:
+        large_grid = layout.num_patches >= _POOL_INPUT_MIN_RATIO * self.num_contrast_tokens
+        projection = query_projection(self.qkv) if large_grid and isinstance(self.q_norm, nn.Identity) else None
+        if projection is not None:
             patches = x[:, layout.num_prefix_tokens :]  # [B, H·W, C_in]
             return F.linear(adaptive_avg_pool_tokens(patches, layout.grid, self.contrast_grid), *projection)
         pooled = F.adaptive_avg_pool2d(_patch_grid(q, layout), self.contrast_grid)  # [B, C, h, w], channels-last

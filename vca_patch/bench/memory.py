@@ -46,12 +46,11 @@ class LiveTensorBytes(TorchDispatchMode):
         self._release_dead()  # before registering, so a reused address is not mistaken for a live storage
         inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            key = _storage_key(tensor) if isinstance(tensor, torch.Tensor) else 0
+            if key and key not in self._live and key not in inputs:  # views and in-place results are not new
                 storage = tensor.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self._live and key not in inputs:  # views and in-place results are not new
-                    self._live[key] = (StorageWeakRef(storage), storage.nbytes())
-                    self.current += storage.nbytes()
+                self._live[key] = (StorageWeakRef(storage), storage.nbytes())
+                self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
         return out
 
