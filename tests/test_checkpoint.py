@@ -4,27 +4,18 @@ import pytest
 import torch
 
 import vca_patch
-from tests.models import tiny
+from tests.models import tiny, trained_a_little
 from vca_patch import VCAConfig, patch_model
 from vca_patch.io import CheckpointError, OutputExistsError, WeightsMismatchError
 from vca_patch.io import checkpoint as checkpoint_module
 from vca_patch.surgery import PatchError
 
 
-def _trained_a_little(model):
-    """Move every VCA parameter off its init so a reload that re-initialised would be caught."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "contrast_embed" in name or "dwc" in name or "lambda" in name:
-                p.add_(torch.randn_like(p) * 0.05)
-    return model
-
-
 @pytest.mark.parametrize("config", [VCAConfig(), VCAConfig(layers=[1], contrast_tokens=4, softmax="separate")])
 def test_save_reload_gives_identical_outputs(tmp_path, config):
     model, args = tiny("deit_tiny_distilled_patch16_224")
     patch_model(model, config)
-    _trained_a_little(model)
+    trained_a_little(model, "contrast_embed", "dwc", "lambda")
     vca_patch.save_pretrained(model, tmp_path / "ckpt", model_args=args)
     again = vca_patch.from_pretrained(tmp_path / "ckpt")
     assert not again.training

@@ -5,7 +5,7 @@ import torch
 from typer.testing import CliRunner
 
 import vca_patch
-from tests.models import tiny
+from tests.models import tiny, trained_a_little
 from vca_patch import ConfigError, MANOConfig, MultipoleAttention, TargetConfig, patch_model, unpatch_model
 from vca_patch.cli import app
 from vca_patch.fidelity import compare_outputs
@@ -40,15 +40,6 @@ def test_windowed_model_is_close_but_not_equal_and_unpatch_restores():
     torch.testing.assert_close(_outputs(model, x), reference)
 
 
-def _trained_a_little(model):
-    """Move every MANO parameter off its init so a reload that re-initialised would be caught."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".down." in name or ".up." in name or "up_gain" in name:
-                p.add_(torch.randn_like(p) * 0.05)
-    return model
-
-
 @pytest.mark.parametrize(
     "config",
     [MANOConfig(window=2), MANOConfig(window=3, down="avg", up="nearest", layers=[1], init="multipole", levels=2)],
@@ -56,7 +47,7 @@ def _trained_a_little(model):
 def test_save_reload_gives_identical_outputs(tmp_path, config):
     model, args = tiny("deit_tiny_distilled_patch16_224")
     patch_model(model, config)
-    _trained_a_little(model)
+    trained_a_little(model, ".down.", ".up.", "up_gain")
     vca_patch.save_pretrained(model, tmp_path / "ckpt", model_args=args)
     meta = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert meta["config"]["target"] == "mano"
