@@ -211,7 +211,8 @@ class VisualContrastAttention(CarriedAttentionLayer):
         if not split or (torch.is_grad_enabled() and linear.weight.requires_grad):  # slices' grads: 2 more copies
             return self.qkv(x).view(B, N, 3, M, d).permute(2, 0, 3, 1, 4).unbind(0)
         biases = (None,) * 3 if linear.bias is None else linear.bias.split(C)
-        q, k, v = (F.linear(x, w, b).view(B, N, M, d).transpose(1, 2) for w, b in zip(linear.weight.split(C), biases))
+        weights = linear.weight.split(C)
+        q, k, v = (F.linear(x, w, b).view(B, N, M, d).transpose(1, 2) for w, b in zip(weights, biases, strict=True))
         return q, k, v
 
     def pooled_queries(self, x: torch.Tensor, q: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
