@@ -180,6 +180,26 @@ def test_cli_bench_writes_json_and_plot(tmp_path):
     assert out_png.stat().st_size > 1000
 
 
+def test_benchmark_suite_smoke_writes_results_and_judges_targets(tmp_path):
+    """benchmarks/run.py end to end on a tiny model: JSON per sweep, and each target row judged from its numbers."""
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "run.py")
+    cmd = [sys.executable, script, "--smoke", "--results", str(tmp_path)]
+    done = subprocess.run(cmd, env=_ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert {p.name for p in tmp_path.iterdir()} == {"smoke_deit_t_depth1.json", "patch_time.json", "targets.json"}
+    sweep = json.loads((tmp_path / "smoke_deit_t_depth1.json").read_text())
+    assert sweep["meta"]["model"] == "deit_tiny_patch16_224" and sweep["meta"]["model_args"] == {"depth": 1}
+    ratio_224 = next(r for r in sweep["ratios"] if r["resolution"] == 224)
+    targets = {row["target"]: row for row in json.loads((tmp_path / "targets.json").read_text())}
+    latency = targets["smoke_deit_t_depth1 224px latency ratio ≤ 1.05"]
+    assert latency["met"] == (ratio_224["latency_ratio"] <= 1.05)
+    assert latency["value"].startswith(f"{ratio_224['latency_ratio']:.3f} ")
+    training = targets["smoke_deit_t_depth1 224px training memory ≤ original"]
+    assert training["met"] == (ratio_224["memory_train_ratio"] <= 1.0)
+    patch = json.loads((tmp_path / "patch_time.json").read_text())
+    assert targets["patch_model(vit_base) < 1.0s"]["met"] == (patch["seconds_median"] < 1.0)
+
+
 def test_cli_rejects_unknown_target():
     from typer.testing import CliRunner
 
