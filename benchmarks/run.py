@@ -56,7 +56,7 @@ class Sweep:
 
 
 def cpu_suite(quick: bool, full_2048: bool, repeats: int) -> list[Sweep]:
-    suite = [Sweep("deit_s_depth2", (112, 160, 224, 512, 1024, 2048))]  # below 192 px: n > N/4
+    suite = [Sweep("deit_s_depth2", (112, 160, 224, 512, 1024, 2048))]  # 112/160 px: 1-2 patches per contrast token
     if not quick:
         full = (224, 512, 1024, 2048) if full_2048 else (224, 512, 1024)
         suite += [
