@@ -136,6 +136,21 @@ def test_cpu_peak_memory_counts_live_tensors_exactly():
     assert two_live == pytest.approx(8.0, abs=1e-3) and one_at_a_time == pytest.approx(4.0, abs=1e-3)
 
 
+@pytest.mark.parametrize("px", [112, 160, 224])
+def test_patched_inference_memory_not_above_original_on_small_grids(px):
+    """At 1-4 patches per contrast token the 2n-token tensors could set the peak: each must die once used."""
+    from vca_patch.bench.memory import cpu_peak_mib
+
+    variants = build_variants("deit_small_patch16_224", [VCAConfig()], model_args={"depth": 1}, unfused=False)
+    x = torch.randn(1, 3, px, px)
+    peaks = {}
+    for v in variants:
+        with torch.inference_mode():
+            v.model(x)
+            peaks[v.name] = cpu_peak_mib(lambda m=v.model: m(x))
+    assert 0 < peaks["vca"] <= peaks[ORIGINAL], peaks
+
+
 def test_vca_training_memory_is_linear_in_tokens():
     from vca_patch.bench.memory import cpu_peak_mib
 

@@ -271,14 +271,21 @@ class VisualContrastAttention(CarriedAttentionLayer):
         # Stage I: one SDPA call over all N tokens (prefix included) for the 2n contrast tokens and, under
         # exact read-out, the P prefix queries, whose plain-softmax output is final.
         queries = torch.cat([contrast, q[:, :, :exact]], dim=2) if exact else contrast  # [B, M, 2n+P', d]
-        stage1 = F.scaled_dot_product_attention(queries, k, v, scale=self.scale)
-        u_pos, u_neg, prefix_out = stage1.split([n, n, exact], dim=2)
-        v_hat = _rms_norm(u_pos - lambda1 * u_neg, self.stage1_norm, 1 - self.lambda_init)  # [B, M, n, d]
+        u_pos, u_neg, prefix_out = F.scaled_dot_product_attention(queries, k, v, scale=self.scale).split(
+            [n, n, exact], dim=2
+        )
+        # Each 2n-token tensor dies once used: below ~4 patches per contrast token they set the layer's peak.
+        del queries
+        prefix_out = prefix_out.clone()  # P rows; the view would keep all 2n+P Stage-I rows alive until the end
+        v_hat = torch.addcmul(u_pos, u_neg, lambda1, value=-1)  # u₊ − λ₁u₋
+        v_hat = _rms_norm(v_hat, self.stage1_norm, 1 - self.lambda_init, inplace=True)  # [B, M, n, d]
+        del u_pos, u_neg  # [B, M, n, d] each
 
         # Stage II: every token reads the 2n contrast tokens.
         keys = contrast
+        del contrast
         if self.stage2_temperature is not None:  # s·τ·q·tᵀ: scale the 2n keys rather than the N queries
-            keys = contrast * self.stage2_temperature.to(contrast.dtype).view(1, -1, 1, 1)
+            keys = keys * self.stage2_temperature.to(keys.dtype).view(1, -1, 1, 1)
         if self.softmax == "joint":
             # softmax over [t₊; t₋] with values [v̂; −λ₂v̂] equals (A₊ − λ₂A₋)·v̂.
             o = F.scaled_dot_product_attention(q, keys, torch.cat([v_hat, -lambda2 * v_hat], dim=2), scale=self.scale)
