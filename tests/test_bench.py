@@ -16,6 +16,7 @@ from vca_patch.bench import (
     ORIGINAL,
     UNFUSED,
     AttentionShape,
+    BenchSettings,
     ModelShape,
     attention_macs,
     build_variants,
@@ -23,6 +24,7 @@ from vca_patch.bench import (
     model_macs,
     model_shape,
     register_attention_macs,
+    run_sweep,
     softmax_attention_macs,
     vca_attention_macs,
 )
@@ -254,3 +256,16 @@ def test_vca_inference_compiles_without_graph_breaks():
     compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, layout=layout), module(x, layout=layout), atol=1e-5, rtol=1e-5)
+
+
+def test_sweep_times_compiled_models_when_asked():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    variants = build_variants("vit_tiny_patch16_224", [VCAConfig()], model_args={"depth": 1}, unfused=False)
+    settings = BenchSettings(resolutions=[32], repeats=1, warmup=0, memory=False, compile=True)
+    result = run_sweep(variants, settings, log=lambda _: None)
+    assert counters["stats"]["unique_graphs"] >= 2, dict(counters["stats"])  # the original and the patched model
+    assert result["meta"]["settings"]["compile"] is True
+    assert all(r["latency_ms"] > 0 for r in result["results"])

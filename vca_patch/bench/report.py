@@ -19,6 +19,7 @@ def results_table(result: dict[str, Any]) -> Table:
     title = (
         f"{settings['device']} · {settings['dtype']} · batch {settings['batch']} · "
         f"{result['meta']['threads']} threads · median of {settings['repeats']}"
+        + (" · torch.compile" if settings.get("compile") else "")
         + (" · huge-page malloc" if result["meta"].get("malloc") == "hugepages" else "")
     )
     table = Table(title=title, title_justify="left")

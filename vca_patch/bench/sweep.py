@@ -31,6 +31,7 @@ class BenchSettings:
     memory: bool = True  # peak memory of inference and of one training step
     unfused_max_tokens: int = 4200  # skip the explicit-softmax original above this (N² memory)
     threads: int | None = None
+    compile: bool = False  # time torch.compile'd models (inductor, static shapes; memory stays eager)
 
 
 @dataclass
@@ -119,9 +120,13 @@ def run_sweep(variants: list[Variant], settings: BenchSettings, log: Callable[[s
         for v in variants:
             gmacs = model_macs(shape, (px, px), v.target, v.config) / 1e9
             measurements[v.name, px] = Measurement(v.name, px, tokens, gmacs)
-        runs = {v.name: _forward(v.model, x, device, settings.dtype) for v in variants if active(v, tokens)}
+        if settings.compile:
+            torch._dynamo.reset()  # static shapes: each resolution compiles anew, no recompile limit over a sweep
+        models = {v.name: torch.compile(v.model, dynamic=False) if settings.compile else v.model for v in variants}
+        runs = {v.name: _forward(models[v.name], x, device, settings.dtype) for v in variants if active(v, tokens)}
         log(f"timing {px}px ({tokens} tokens): {', '.join(runs)}")
-        for name, times in time_interleaved(runs, device, warmup=settings.warmup, repeats=settings.repeats).items():
+        warmup = max(settings.warmup, 1) if settings.compile else settings.warmup  # compilation is not latency
+        for name, times in time_interleaved(runs, device, warmup=warmup, repeats=settings.repeats).items():
             m = measurements[name, px]
             m.latency_ms_runs = [t * 1e3 for t in times]
             m.latency_ms = median(times) * 1e3

@@ -55,6 +55,9 @@ def bench(
     unfused_max_tokens: Annotated[int, typer.Option(help="Skip the explicit-softmax original above this")] = 4200,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write all numbers to this JSON file")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a latency/memory plot (PNG; needs matplotlib)")] = None,
+    use_compile: Annotated[
+        bool, typer.Option("--compile", help="Time torch.compile'd models (inductor; memory is measured eager)")
+    ] = False,
 ) -> None:
     """Latency, throughput, peak memory and analytic MACs of MODEL, original vs patched, per resolution."""
     import torch
@@ -86,6 +89,7 @@ def bench(
         memory=memory,
         unfused_max_tokens=unfused_max_tokens if unfused else 0,
         threads=threads,
+        compile=use_compile,
     )
     configs = _target_configs(target, parse_layers(layers))
     model_args = {"depth": depth} if depth is not None else {}
