@@ -276,14 +276,15 @@ class VisualContrastAttention(CarriedAttentionLayer):
         )
         # Each 2n-token tensor dies once used: below ~4 patches per contrast token they set the layer's peak.
         del queries
-        prefix_out = prefix_out.clone()  # P rows; the view would keep all 2n+P Stage-I rows alive until the end
+        if exact:  # P rows; the view would keep all 2n+P Stage-I rows alive until the end
+            prefix_out = prefix_out.clone()
         v_hat = torch.addcmul(u_pos, u_neg, lambda1, value=-1)  # u₊ − λ₁u₋
         v_hat = _rms_norm(v_hat, self.stage1_norm, 1 - self.lambda_init, inplace=True)  # [B, M, n, d]
         del u_pos, u_neg  # [B, M, n, d] each
 
         # Stage II: every token reads the 2n contrast tokens.
         keys = contrast
-        del contrast
+        del contrast  # `keys` is the only reference left: scaling it below frees the unscaled tokens
         if self.stage2_temperature is not None:  # s·τ·q·tᵀ: scale the 2n keys rather than the N queries
             keys = keys * self.stage2_temperature.to(keys.dtype).view(1, -1, 1, 1)
         if self.softmax == "joint":
