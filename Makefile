@@ -10,6 +10,9 @@ install:
 	@# Fashion-MNIST (real labelled images for the recovery tests and the example), from Debian.
 	@if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null; fi
+	@# A C++ compiler builds VCA's fused CPU kernel on first use (without one VCA runs its composite path).
+	@if ! command -v c++ >/dev/null && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null; fi
 	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
 	$(PIP) install -q -e '.[dev,hf,bench]'
 

@@ -138,16 +138,18 @@ def test_cpu_peak_memory_counts_live_tensors_exactly():
     assert two_live == pytest.approx(8.0, abs=1e-3) and one_at_a_time == pytest.approx(4.0, abs=1e-3)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["fused-kernel", "composite"])
 @pytest.mark.parametrize("px", [112, 160, 224])
-def test_patched_inference_memory_not_above_original_on_small_grids(px):
+def test_patched_inference_memory_not_above_original_on_small_grids(px, kernel):
     """At 1-4 patches per contrast token the 2n-token tensors could set the peak: each must die once used."""
+    from vca_patch.attention import fused_cpu
     from vca_patch.bench.memory import cpu_peak_mib
 
     variants = build_variants("deit_small_patch16_224", [VCAConfig()], model_args={"depth": 1}, unfused=False)
     x = torch.randn(1, 3, px, px)
     peaks = {}
     for v in variants:
-        with torch.inference_mode():
+        with torch.inference_mode(), fused_cpu.use_kernel(kernel):
             v.model(x)
             peaks[v.name] = cpu_peak_mib(lambda m=v.model: m(x))
     assert 0 < peaks["vca"] <= peaks[ORIGINAL], peaks
@@ -195,6 +197,26 @@ def test_cli_bench_writes_json_and_plot(tmp_path):
             assert r[key] > 0, key
     assert set(result["crossover"]["vca"]) >= {"latency_tokens", "flops_tokens", "latency_px"}
     assert out_png.stat().st_size > 1000
+    assert result["meta"]["vca_cpu_kernel"] == _expected_kernel_status()
+    assert ("VCA fused CPU kernel" in done.stdout) == (_expected_kernel_status() == "fused")
+
+
+def _expected_kernel_status() -> str:
+    from vca_patch.attention import fused_cpu
+
+    return "fused" if fused_cpu.kernel_available() else fused_cpu.kernel_status()
+
+
+def test_cli_bench_times_the_composite_path_when_asked(tmp_path):
+    out_json = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, "-m", "vca_patch", "bench", "vit_tiny_patch16_224", "--depth", "1", "--resolutions", "32",
+        "--repeats", "1", "--warmup", "0", "--no-memory", "--no-unfused", "--no-cpu-kernel", "--json", str(out_json),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=_ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(out_json.read_text())["meta"]["vca_cpu_kernel"] == "composite (disabled)"
+    assert "VCA composite (disabled)" in done.stdout
 
 
 def test_benchmark_suite_smoke_writes_results_and_judges_targets(tmp_path):
@@ -215,6 +237,7 @@ def test_benchmark_suite_smoke_writes_results_and_judges_targets(tmp_path):
     assert training["met"] == (ratio_224["memory_train_ratio"] <= 1.0)
     patch = json.loads((tmp_path / "patch_time.json").read_text())
     assert targets["patch_model(vit_base) < 1.0s"]["met"] == (patch["seconds_median"] < 1.0)
+    assert sweep["meta"]["vca_cpu_kernel"] == _expected_kernel_status()
 
 
 def test_cli_rejects_unknown_target():

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.reference_vca import reference_vca
-from vca_patch.attention import TokenLayout, VisualContrastAttention
+from vca_patch.attention import TokenLayout, VisualContrastAttention, fused_cpu
 from vca_patch.attention.grid_pool import adaptive_avg_pool_tokens
 
 
@@ -214,14 +214,15 @@ def test_rms_norm_backward_matches_autograd_of_the_formula():
     torch.testing.assert_close(_RMSNormFunction.apply(x, weight, 1e-5), expected)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["fused-kernel", "composite"])
 @pytest.mark.parametrize("batch, num_prefix", [(1, 1), (2, 0), (2, 1)])  # the last: strided rows, plain conv
-def test_float32_inference_paths_match_float64_reference(batch, num_prefix):
+def test_float32_inference_paths_match_float64_reference(batch, num_prefix, kernel):
     options = {"prefix_readout": "exact", "stage2_temperature": True}
     module = _randomised(VisualContrastAttention(32, 4, contrast_grid=(3, 3), layer_index=2, **options))
     grid = (9, 7)
     x = torch.randn(batch, num_prefix + 63, 32)
     expected = reference_vca(module, x, num_prefix, grid)
-    with torch.inference_mode():
+    with torch.inference_mode(), fused_cpu.use_kernel(kernel):
         got = module(x, layout=TokenLayout(num_prefix, grid)).double()
     assert (got - expected).norm() / expected.norm() < 1e-5
 

@@ -37,14 +37,18 @@ class DifferentialLambda(nn.Module):
         """
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return self._compute()
-        key = tuple((p.data_ptr(), p._version) for p in (self.q1, self.k1, self.q2, self.k2))
+        key = tuple((p.data_ptr(), p._version) for p in self.vectors())
         if self._cached is None or self._cached[0] != key:
             self._cached = (key, self._compute())
         return self._cached[1]
 
+    def vectors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(λ_q1, λ_k1, λ_q2, λ_k2)."""
+        return self.q1, self.k1, self.q2, self.k2
+
     def _compute(self) -> torch.Tensor:
         dtype = torch.promote_types(self.q1.dtype, torch.float32)
-        q1, k1, q2, k2 = (p.to(dtype) for p in (self.q1, self.k1, self.q2, self.k2))
+        q1, k1, q2, k2 = (p.to(dtype) for p in self.vectors())
         return torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + self.lambda_init
 
     @torch.no_grad()

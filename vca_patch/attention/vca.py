@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import fused_cpu
 from .carried import CarriedAttentionLayer
 from .differential_lambda import DifferentialLambda, lambda_init_for_depth
-from .fused_qkv import query_projection
+from .fused_qkv import SplitQKV, query_projection
 from .grid_pool import adaptive_avg_pool_tokens
 from .layout import TokenLayout, resolve_layout
 from .local_conv import add_conv_
@@ -165,6 +166,8 @@ class VisualContrastAttention(CarriedAttentionLayer):
         self.stage2_norm = nn.RMSNorm(head_dim, eps=rms_eps, **dd)
         self.dwc = nn.Conv2d(attn_dim, attn_dim, 3, padding=1, groups=attn_dim, **dd)
         self.stage2_temperature = nn.Parameter(torch.ones(num_heads, **dd)) if stage2_temperature else None
+        self._kernel_arguments: tuple[tuple, tuple] | None = None  # (parameter versions, fused-kernel arguments)
+        self._qkv_split: tuple[tuple, list] | None = None  # (weight/bias addresses, [(weight, bias)] of q, k, v)
         self.reset_vca_parameters("preserve")
 
     @torch.no_grad()
@@ -198,22 +201,45 @@ class VisualContrastAttention(CarriedAttentionLayer):
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v per head: [B, M, N, d] each.
 
-        Without autograd, a plain fused `qkv` Linear runs as three GEMMs, so that v is dense (the depthwise
-        conv reads its patch rows without a copy when B = 1 or there is no prefix) and each output stays a
-        third of the fused one (under glibc's 32 MiB mmap threshold up to 16k tokens at C = 384: reused heap
-        memory instead of fresh pages faulted in on every call). Otherwise, and for any other projection
-        module or one with hooks, the module runs as it is.
+        Without autograd, plain Linear projections run as three GEMMs, so that v is dense (the depthwise conv
+        reads its patch rows without a copy when B = 1 or there is no prefix) and each output stays a third of
+        the fused one (under glibc's 32 MiB mmap threshold up to 16k tokens at C = 384: reused heap memory
+        instead of fresh pages faulted in on every call). Otherwise, and for any other projection module or
+        one with hooks, the module runs as it is.
         """
         B, N, _ = x.shape
-        M, d, C = self.num_heads, self.head_dim, self.attn_dim
-        linear = self.qkv
-        split = type(linear) is nn.Linear and not (linear._forward_hooks or linear._forward_pre_hooks)
-        if not split or (torch.is_grad_enabled() and linear.weight.requires_grad):  # slices' grads: 2 more copies
-            return self.qkv(x).view(B, N, 3, M, d).permute(2, 0, 3, 1, 4).unbind(0)
-        biases = (None,) * 3 if linear.bias is None else linear.bias.split(C)
-        weights = linear.weight.split(C)
-        q, k, v = (F.linear(x, w, b).view(B, N, M, d).transpose(1, 2) for w, b in zip(weights, biases, strict=True))
+        trains = torch.is_grad_enabled() and any(p.requires_grad for p in self.qkv.parameters())
+        parts = None if trains else self._qkv_parts()  # slices would cost two more gradient copies
+        if parts is None:
+            return self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = (self._heads(F.linear(x, weight, bias)) for weight, bias in parts)
         return q, k, v
+
+    def _heads(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, N, M·d] -> [B, M, N, d] (a view)."""
+        B, N, _ = tokens.shape
+        return tokens.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def _qkv_parts(self) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+        """(weight, bias) of q, k and v when the projection is plain Linear layers without hooks, else None."""
+        qkv = self.qkv
+        if isinstance(qkv, SplitQKV):
+            linears = (qkv.q_proj, qkv.k_proj, qkv.v_proj)
+            if all(type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) for m in linears):
+                return [(m.weight, m.bias) for m in linears]
+            return None
+        if type(qkv) is not nn.Linear or qkv._forward_hooks or qkv._forward_pre_hooks:
+            return None
+        if torch.compiler.is_compiling():  # traced once: no cache (and no data_ptr) needed
+            return self._split_fused(qkv)
+        key = (qkv.weight.data_ptr(), None if qkv.bias is None else qkv.bias.data_ptr())
+        if self._qkv_split is None or self._qkv_split[0] != key:  # views: in-place updates show through
+            self._qkv_split = (key, self._split_fused(qkv))
+        return self._qkv_split[1]
+
+    def _split_fused(self, qkv: nn.Linear) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        biases = (None,) * 3 if qkv.bias is None else qkv.bias.split(self.attn_dim)
+        return list(zip(qkv.weight.split(self.attn_dim), biases, strict=True))
 
     def pooled_queries(self, x: torch.Tensor, q: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """t̃ = avgpool_{h×w}(q[patches]) at full width: [B, n, C].
@@ -249,6 +275,8 @@ class VisualContrastAttention(CarriedAttentionLayer):
     ) -> torch.Tensor:
         """x: [B, N, dim] with N = prefix + H·W tokens -> [B, N, dim_out]."""
         layout = resolve_layout("VisualContrastAttention", x.shape[1], layout, self.layout_source, attn_mask, is_causal)
+        if self._fused_kernel_usable(x):
+            return self.attend_fused(x, layout)
         q, k, v = self.project_qkv(x)  # [B, M, N, d] each
         trains = q.requires_grad or v.requires_grad or self.contrast_embed_pos.requires_grad  # frozen backbone too
         if self.recompute_in_backward and torch.is_grad_enabled() and trains:
@@ -256,6 +284,62 @@ class VisualContrastAttention(CarriedAttentionLayer):
             # again in backward; the 2n-token tensors would otherwise add up to 8n/N token rows per layer.
             return checkpoint(self.attend, x, q, k, v, layout, use_reentrant=False)
         return self.attend(x, q, k, v, layout)
+
+    def _fused_kernel_usable(self, x: torch.Tensor) -> bool:
+        """float32 CPU inference (nothing needs a gradient), eager, and the kernel built (see `fused_cpu`)."""
+        if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
+            return False
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return False
+        return fused_cpu.kernel_available()
+
+    def attend_fused(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """`forward` through the fused CPU kernel (float32 inference): the same function, one op for everything
+        between the projections. With plain q/k norms the q and v biases are folded into the kernel (the k bias
+        cancels in every softmax), which spares the GEMMs' bias copies."""
+        parts = self._qkv_parts()
+        if parts is not None and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
+            (w_q, q_bias), (w_k, _), (w_v, v_bias) = parts
+            q, k, v = (self._heads(F.linear(x, weight)) for weight in (w_q, w_k, w_v))
+        else:
+            q, k, v = self.project_qkv(x)
+            q, k = self.q_norm(q), self.k_norm(k)
+            q_bias = v_bias = None
+        P, (H, W) = layout.num_prefix_tokens, layout.grid
+        o = fused_cpu.attend_cpu(q, k, v, P, H, W, q_bias, v_bias, *self.kernel_arguments())
+        return self.project_out(x, o)
+
+    def kernel_arguments(self) -> tuple:
+        """The fused kernel's arguments after the biases (see the C++ source), rebuilt only when a parameter
+        changes (in place or replaced): inference pays no op for λ, the scaled norm weights or the conv taps."""
+        sources = (
+            self.contrast_embed_pos, self.contrast_embed_neg, self.stage2_temperature, self.stage1_norm.weight,
+            self.stage2_norm.weight, self.dwc.weight, self.dwc.bias, *self.lambda1.vectors(), *self.lambda2.vectors(),
+        )  # fmt: skip
+        key = tuple((p.data_ptr(), p._version) for p in sources if p is not None)
+        if self._kernel_arguments is None or self._kernel_arguments[0] != key:
+            with torch.no_grad():
+                scale = 1 - self.lambda_init
+                temperature = self.stage2_temperature
+                arguments = (
+                    self.contrast_embed_pos[0].float().contiguous(),  # [n, C]
+                    self.contrast_embed_neg[0].float().contiguous(),
+                    None if temperature is None else temperature.float().contiguous(),  # [M]
+                    float(self.lambda1()),
+                    float(self.lambda2()),
+                    (self.stage1_norm.weight.float() * scale).contiguous(),  # [d]
+                    (self.stage2_norm.weight.float() * scale).contiguous(),
+                    self.stage1_norm.eps,
+                    self.stage2_norm.eps,
+                    self.scale,
+                    self.prefix_readout == "exact",
+                    self.softmax == "joint",
+                    *self.contrast_grid,
+                    self.dwc.weight.float().reshape(self.attn_dim, 9).t().contiguous(),  # [9, C], tap-major
+                    self.dwc.bias.float().contiguous(),
+                )
+            self._kernel_arguments = (key, arguments)
+        return self._kernel_arguments[1]
 
     def attend(
         self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout
@@ -317,6 +401,10 @@ class VisualContrastAttention(CarriedAttentionLayer):
         H, W = layout.grid
         add_conv_(o[:, P:].view(B, H, W, self.attn_dim).permute(0, 3, 1, 2), _patch_grid(v, layout), self.dwc)
 
+        return self.project_out(x, o)
+
+    def project_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The carried output path: o [B, N, attn_dim] -> proj(gate(norm(o))) [B, N, dim_out]."""
         o = self.norm(o)
         if self.gate is not None:
             o = o * self.gate(x).sigmoid()

@@ -1,0 +1,156 @@
+"""VCA's fused CPU kernel: the same function as the float64 reference and the composite path, used only where
+it applies, rebuilt constants after parameter updates, and a clean fallback when it cannot be built."""
+
+import warnings
+
+import pytest
+import torch
+
+from tests.reference_vca import reference_vca
+from tests.test_vca_attention import _randomised
+from vca_patch.attention import TokenLayout, VisualContrastAttention, fused_cpu
+from vca_patch.attention.fused_qkv import SplitQKV
+
+pytestmark = pytest.mark.skipif(not fused_cpu.kernel_available(), reason=f"kernel: {fused_cpu.kernel_status()}")
+
+
+def _calls_kernel(module: torch.nn.Module, x: torch.Tensor, layout: TokenLayout) -> tuple[torch.Tensor, int]:
+    """module(x) and how many times the fused op ran (counted through a wrapper on `fused_cpu.attend_cpu`)."""
+    calls = []
+    original = fused_cpu.attend_cpu
+
+    def counting(*args):
+        calls.append(args)
+        return original(*args)
+
+    fused_cpu.attend_cpu = counting
+    try:
+        out = module(x, layout=layout)
+    finally:
+        fused_cpu.attend_cpu = original
+    return out, len(calls)
+
+
+CASES = [  # batch, prefix, grid, channels, heads, contrast grid
+    (1, 1, (9, 7), 32, 4, (3, 3)),
+    (2, 0, (5, 8), 24, 3, (2, 3)),  # head width 8: below one vector
+    (2, 3, (17, 11), 40, 2, (3, 2)),  # head width 20: a masked tail; uneven, overlapping pooling windows
+    (1, 1, (36, 30), 64, 4, (7, 7)),  # 1081 tokens: three Stage-I key blocks (online softmax)
+]
+OPTIONS = [
+    {},
+    {"prefix_readout": "exact", "stage2_temperature": True},
+    {"softmax": "separate", "prefix_readout": "exact"},
+    {"softmax": "separate", "stage2_temperature": True},
+]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "paper")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}P{c[1]}g{c[2][0]}x{c[2][1]}C{c[3]}M{c[4]}")
+def test_kernel_matches_float64_reference(case, options):
+    batch, prefix, grid, dim, heads, contrast = case
+    module = _randomised(VisualContrastAttention(dim, heads, contrast_grid=contrast, layer_index=3, **options))
+    x = torch.randn(batch, prefix + grid[0] * grid[1], dim)
+    expected = reference_vca(module, x, prefix, grid)
+    with torch.no_grad():
+        got, calls = _calls_kernel(module, x, TokenLayout(prefix, grid))
+    assert calls == 1
+    assert (got.double() - expected).norm() / expected.norm() < 2e-6
+
+
+def test_kernel_and_composite_paths_agree_and_the_switch_works():
+    module = _randomised(VisualContrastAttention(48, 4, contrast_grid=(3, 3), prefix_readout="exact"))
+    x, layout = torch.randn(2, 1 + 100, 48), TokenLayout(1, (10, 10))
+    with torch.no_grad():
+        fused, calls = _calls_kernel(module, x, layout)
+        with fused_cpu.use_kernel(False):
+            composite, composite_calls = _calls_kernel(module, x, layout)
+            assert fused_cpu.kernel_status() == "composite (disabled)"
+    assert (calls, composite_calls) == (1, 0)
+    torch.testing.assert_close(fused, composite, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_is_not_used_where_it_does_not_apply():
+    module = _randomised(VisualContrastAttention(32, 4, contrast_grid=(2, 2)))
+    x, layout = torch.randn(1, 1 + 16, 32), TokenLayout(1, (4, 4))
+    assert _calls_kernel(module, x, layout)[1] == 0  # autograd: parameters need gradients
+    with torch.no_grad():
+        assert _calls_kernel(module.double(), x.double(), layout)[1] == 0  # float64
+        module.float()
+        assert _calls_kernel(module, x, layout)[1] == 1
+    module.requires_grad_(False)
+    assert _calls_kernel(module, x, layout)[1] == 1  # frozen model, grad mode on: still inference
+
+
+def test_kernel_arguments_follow_parameter_updates():
+    module = _randomised(VisualContrastAttention(32, 4, contrast_grid=(2, 2), stage2_temperature=True))
+    x, layout = torch.randn(1, 1 + 36, 32), TokenLayout(1, (6, 6))
+    with torch.no_grad():
+        module(x, layout=layout)  # builds and caches the constants
+        for parameter in (module.contrast_embed_neg, module.lambda2.q1, module.dwc.weight, module.stage2_temperature):
+            parameter.add_(0.1 * torch.randn_like(parameter))  # in place, as an optimiser step
+            expected = reference_vca(module, x, 1, (6, 6))
+            got = module(x, layout=layout).double()
+            assert (got - expected).norm() / expected.norm() < 2e-6
+        module.qkv.weight.data = module.qkv.weight.data * 1.5  # a replaced tensor: the q/k/v views follow
+        expected = reference_vca(module, x, 1, (6, 6))
+        assert (module(x, layout=layout).double() - expected).norm() / expected.norm() < 2e-6
+
+
+def test_split_projections_and_q_norm_take_the_kernel_too():
+    dim, heads, grid = 32, 4, (5, 5)
+    x, layout = torch.randn(2, 25, dim), TokenLayout(0, grid)
+    linears = [torch.nn.Linear(dim, dim, bias=bias) for bias in (True, False, True)]  # BEiT-style: no k bias
+    split = _randomised(VisualContrastAttention(dim, heads, contrast_grid=(2, 2), qkv=SplitQKV(*linears)))
+    normed = _randomised(VisualContrastAttention(dim, heads, contrast_grid=(2, 2)))
+    normed.q_norm = torch.nn.LayerNorm(dim // heads)  # a copy in another layout: biases are not folded
+    normed.k_norm = torch.nn.LayerNorm(dim // heads)
+    for module in (split, normed):
+        with torch.no_grad():
+            composite = module.attend(x, *_normless_qkv(module, x), layout)
+            got, calls = _calls_kernel(module, x, layout)
+        assert calls == 1
+        torch.testing.assert_close(got, composite, rtol=1e-5, atol=1e-5)
+
+
+def _normless_qkv(module: VisualContrastAttention, x: torch.Tensor):
+    with fused_cpu.use_kernel(False):
+        return module.project_qkv(x)
+
+
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
+    state = {"loaded": False, "error": None, "override": None}
+    monkeypatch.setattr(fused_cpu, "_state", state)
+
+    def no_compiler() -> None:
+        raise RuntimeError("Error building extension\nc++: error: command not found\nninja: build stopped")
+
+    monkeypatch.setattr(fused_cpu, "_build", no_compiler)
+    module = _randomised(VisualContrastAttention(16, 2, contrast_grid=(2, 2)))
+    x, layout = torch.randn(1, 16, 16), TokenLayout(0, (4, 4))
+    with pytest.warns(RuntimeWarning, match="c\\+\\+: error: command not found"), torch.no_grad():
+        first = module(x, layout=layout)
+    assert fused_cpu.kernel_status().startswith("composite (RuntimeError: c++: error")
+    with warnings.catch_warnings(record=True) as later, torch.no_grad():
+        warnings.simplefilter("always")
+        torch.testing.assert_close(module(x, layout=layout), first)
+    assert not later  # warned once, not on every call
+    expected = reference_vca(module, x, 0, (4, 4))
+    assert (first.double() - expected).norm() / expected.norm() < 2e-6
+
+
+def test_env_switch_disables_the_kernel(monkeypatch):
+    monkeypatch.setenv(fused_cpu.ENV_SWITCH, "0")
+    module = _randomised(VisualContrastAttention(16, 2, contrast_grid=(2, 2)))
+    with torch.no_grad():
+        assert _calls_kernel(module, torch.randn(1, 16, 16), TokenLayout(0, (4, 4)))[1] == 0
+    assert fused_cpu.kernel_status() == "composite (disabled)"
+
+
+def test_op_rejects_bad_inputs_clearly():
+    q = torch.randn(1, 2, 5, 8)
+    arguments = VisualContrastAttention(16, 2, contrast_grid=(2, 2)).kernel_arguments()
+    with pytest.raises(RuntimeError, match="prefix \\+ H·W"):
+        fused_cpu.attend_cpu(q, q, q, 0, 2, 3, None, None, *arguments)  # 5 tokens are not 2·3
+    with pytest.raises(RuntimeError, match="float32 CPU tensor"):
+        fused_cpu.attend_cpu(q.double(), q, q, 1, 2, 2, None, None, *arguments)

@@ -1,0 +1,352 @@
+// VCA's attention core as one CPU op (float32 inference): everything between the q/k/v projection and `proj`.
+//
+// Per (image, head), Stage I: pool the query grid to n tokens, add e±, read all N keys (flash-style key blocks,
+// online softmax), v̂ = RMSNorm₁(u₊ − λ₁u₋). Per (image, head, block of rows), Stage II: softmax over the 2n
+// contrast tokens against [v̂; −λ₂v̂], RMSNorm₂, plus the depthwise 3×3 conv of the value grid. The composite
+// path runs ~25 small ATen kernels for this on a 224 px image, each a cold call; here it is one parallel region.
+//
+// The GEMMs are BLAS `sgemm_` (MKL in PyTorch's x86 builds); exponentials are ATen's vectorised exp_u20.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+constexpr int64_t kKeyBlock = 512;  // Stage-I keys per block: the logits block stays in L2
+constexpr int64_t kRowBlock = 256;  // Stage-II query rows per task
+
+// Row-major c[m×n] = alpha·a[m×k]·op(b) + beta·c, op(b) = b [k×n] or bᵀ (b stored [n×k]); ld* are row strides.
+void gemm_rows(bool b_transposed, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+               const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  // Column-major BLAS computes cᵀ[n×m] = op(b)ᵀ·aᵀ.
+  const char tb = b_transposed ? 'T' : 'N', ta = 'N';
+  const int m_ = static_cast<int>(n), n_ = static_cast<int>(m), k_ = static_cast<int>(k);
+  const int ldb_ = static_cast<int>(ldb), lda_ = static_cast<int>(lda), ldc_ = static_cast<int>(ldc);
+  sgemm_(&tb, &ta, &m_, &n_, &k_, &alpha, b, &ldb_, a, &lda_, &beta, c, &ldc_);
+}
+
+inline Vec load(const float* p, int64_t count) { return count == kLanes ? Vec::loadu(p) : Vec::loadu(p, count); }
+
+inline void store(const Vec& v, float* p, int64_t count) {
+  if (count == kLanes) {
+    v.store(p);
+  } else {
+    v.store(p, count);
+  }
+}
+
+inline float lane_sum(const Vec& v) {
+  alignas(64) float lanes[kLanes];
+  v.store(lanes);
+  float sum = 0.f;
+  for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];
+  return sum;
+}
+
+float row_max(const float* x, int64_t len) {
+  const Vec lowest(-std::numeric_limits<float>::infinity());
+  Vec m0 = lowest, m1 = lowest;  // clamp_min is a plain vmaxps: logits are finite, no NaN propagation needed
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= len; i += 2 * kLanes) {
+    m0 = at::vec::clamp_min(Vec::loadu(x + i), m0);
+    m1 = at::vec::clamp_min(Vec::loadu(x + i + kLanes), m1);
+  }
+  for (; i < len; i += kLanes) {
+    const int64_t count = std::min(kLanes, len - i);
+    m0 = at::vec::clamp_min(Vec::set(lowest, load(x + i, count), count), m0);
+  }
+  alignas(64) float lanes[kLanes];
+  at::vec::clamp_min(m0, m1).store(lanes);
+  return *std::max_element(lanes, lanes + kLanes);
+}
+
+// x[0:len] <- exp(x − shift); returns Σ exp. Normalising is left to the caller (on the d-wide output rows).
+float exp_sum_(float* x, int64_t len, float shift) {
+  const Vec vshift(shift);
+  Vec s0(0.f), s1(0.f);
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= len; i += 2 * kLanes) {
+    const Vec e0 = (Vec::loadu(x + i) - vshift).exp_u20();
+    const Vec e1 = (Vec::loadu(x + i + kLanes) - vshift).exp_u20();
+    e0.store(x + i);
+    e1.store(x + i + kLanes);
+    s0 = s0 + e0;
+    s1 = s1 + e1;
+  }
+  for (; i < len; i += kLanes) {
+    const int64_t count = std::min(kLanes, len - i);
+    const Vec e = (load(x + i, count) - vshift).exp_u20();
+    store(e, x + i, count);
+    s0 = s0 + Vec::set(Vec(0.f), e, count);
+  }
+  return lane_sum(s0 + s1);
+}
+
+inline void scale_(float* x, float factor, int64_t len) {
+  for (int64_t i = 0; i < len; i += kLanes) {
+    const int64_t count = std::min(kLanes, len - i);
+    store(load(x + i, count) * Vec(factor), x + i, count);
+  }
+}
+
+// o[0:d] <- RMSNorm(o·scale)·w (+ bias + Σ tap_w[i]·(tap_src[i] + src_bias) when given): Stage II's row epilogue.
+void normalise_add_taps_(float* o, float scale, const float* w, float eps, int64_t d, const float* bias,
+                         const float* const* tap_w, const float* const* tap_src, int taps, const float* src_bias) {
+  Vec squares(0.f);
+  for (int64_t c = 0; c < d; c += kLanes) {
+    const Vec x = load(o + c, std::min(kLanes, d - c));
+    squares = at::vec::fmadd(x, x, squares);
+  }
+  const float mean_square = lane_sum(squares) * scale * scale / static_cast<float>(d);
+  const Vec factor(scale / std::sqrt(mean_square + eps));
+  for (int64_t c = 0; c < d; c += kLanes) {
+    const int64_t count = std::min(kLanes, d - c);
+    Vec acc = load(o + c, count) * factor * load(w + c, count);
+    if (bias != nullptr) acc = acc + load(bias + c, count);
+    const Vec shift = src_bias != nullptr ? load(src_bias + c, count) : Vec(0.f);
+    for (int i = 0; i < taps; ++i) {
+      acc = at::vec::fmadd(load(tap_w[i] + c, count), load(tap_src[i] + c, count) + shift, acc);
+    }
+    store(acc, o + c, count);
+  }
+}
+
+// A grow-only per-thread buffer: nothing to allocate, and no fresh pages to fault in, on every call.
+float* scratch(int slot, int64_t size) {
+  thread_local std::vector<float> buffers[6];
+  auto& buffer = buffers[slot];
+  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+  return buffer.data();
+}
+
+void check_heads(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, name, " must be [B, M, N, d] with a unit channel stride");
+}
+
+void check_vector(const at::Tensor& t, int64_t numel, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == numel,
+              name, " must be a contiguous float32 CPU tensor of ", numel, " elements");
+}
+
+}  // namespace
+
+// q, k, v: [B, M, N, d] (unit channel stride; any batch, head and row strides, e.g. head views of token rows);
+// N = num_prefix + H·W tokens. q_bias, v_bias: [C] biases not yet added to q and v (a k bias needs no adding:
+// every softmax over keys is shift-invariant per row; the caller drops it). The rest are the layer's constants: embed_pos/neg: [n, C]; temperature: [M] or None; norm weights: [d], already scaled by (1 − λ_init);
+// dwc_taps: [9, C] (tap-major depthwise weights); dwc_bias: [C]. Returns o [B, N, C], the input of `proj`.
+at::Tensor attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_prefix, int64_t H,
+                      int64_t W, const std::optional<at::Tensor>& q_bias, const std::optional<at::Tensor>& v_bias,
+                      const at::Tensor& embed_pos, const at::Tensor& embed_neg,
+                      const std::optional<at::Tensor>& temperature, double lambda1, double lambda2,
+                      const at::Tensor& norm1_weight, const at::Tensor& norm2_weight, double eps1, double eps2,
+                      double scale, bool exact_prefix, bool joint, int64_t gh, int64_t gw, const at::Tensor& dwc_taps,
+                      const at::Tensor& dwc_bias) {
+  check_heads(q, "q");
+  check_heads(k, "k");
+  check_heads(v, "v");
+  const int64_t B = q.size(0), M = q.size(1), N = q.size(2), d = q.size(3), C = M * d;
+  const int64_t P = num_prefix, n = gh * gw, P_exact = exact_prefix ? P : 0, R = 2 * n + P_exact;
+  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), "q, k and v must have one shape");
+  TORCH_CHECK(P >= 0 && H > 0 && W > 0 && N == P + H * W, "tokens (", N, ") must be prefix + H·W");
+  TORCH_CHECK(gh > 0 && gw > 0, "the contrast grid must be positive");
+  check_vector(embed_pos, n * C, "embed_pos");
+  check_vector(embed_neg, n * C, "embed_neg");
+  check_vector(norm1_weight, d, "norm1_weight");
+  check_vector(norm2_weight, d, "norm2_weight");
+  check_vector(dwc_taps, 9 * C, "dwc_taps");
+  check_vector(dwc_bias, C, "dwc_bias");
+  if (temperature.has_value()) check_vector(*temperature, M, "temperature");
+  if (q_bias.has_value()) check_vector(*q_bias, C, "q_bias");
+  if (v_bias.has_value()) check_vector(*v_bias, C, "v_bias");
+
+  const int64_t qb = q.stride(0), qh_ = q.stride(1), qr = q.stride(2);
+  const int64_t kb = k.stride(0), kh_ = k.stride(1), kr = k.stride(2);
+  const int64_t vb = v.stride(0), vh_ = v.stride(1), vr = v.stride(2);
+  const float* q_data = q.data_ptr<float>();
+  const float* k_data = k.data_ptr<float>();
+  const float* v_data = v.data_ptr<float>();
+  const float* e_pos = embed_pos.data_ptr<float>();
+  const float* e_neg = embed_neg.data_ptr<float>();
+  const float* tau = temperature.has_value() ? temperature->data_ptr<float>() : nullptr;
+  const float* q_shift = q_bias.has_value() ? q_bias->data_ptr<float>() : nullptr;
+  const float* v_shift = v_bias.has_value() ? v_bias->data_ptr<float>() : nullptr;
+  const float* w1 = norm1_weight.data_ptr<float>();
+  const float* w2 = norm2_weight.data_ptr<float>();
+  const float* taps_w = dwc_taps.data_ptr<float>();
+  const float* bias_w = dwc_bias.data_ptr<float>();
+  const float l1 = static_cast<float>(lambda1), l2 = static_cast<float>(lambda2), s = static_cast<float>(scale);
+
+  at::Tensor out = at::empty({B, N, C}, q.options());
+  float* o_data = out.data_ptr<float>();
+  // Per (image, head): the 2n contrast tokens (Stage-II keys) and [v̂; −λ₂v̂] (Stage-II values).
+  float* keys = scratch(0, B * M * 2 * n * d);
+  float* values = scratch(1, B * M * 2 * n * d);
+
+  // Stage I, per (image, head).
+  at::parallel_for(0, B * M, 1, [&](int64_t begin, int64_t end) {
+    const int64_t kv_block = std::min(kKeyBlock, N);
+    float* tokens = scratch(2, R * d + d);  // [R, d] queries: t₊, t₋, then the exact prefix rows
+    float* pooled = tokens + R * d;
+    float* logits = scratch(3, R * kv_block + R * d);
+    float* u = logits + R * kv_block;  // [R, d] running Σ exp·v
+    float* stats = scratch(4, 2 * R);  // running max, running Σ exp
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / M, h = t % M;
+      const float* qh = q_data + b * qb + h * qh_;
+      const float* kh = k_data + b * kb + h * kh_;
+      const float* vh = v_data + b * vb + h * vh_;
+      for (int64_t iy = 0; iy < gh; ++iy) {  // adaptive average pooling windows, as torch computes them
+        const int64_t y0 = iy * H / gh, y1 = ((iy + 1) * H + gh - 1) / gh;
+        for (int64_t ix = 0; ix < gw; ++ix) {
+          const int64_t x0 = ix * W / gw, x1 = ((ix + 1) * W + gw - 1) / gw;
+          std::fill(pooled, pooled + d, 0.f);
+          for (int64_t y = y0; y < y1; ++y) {
+            for (int64_t x = x0; x < x1; ++x) {
+              const float* row = qh + (P + y * W + x) * qr;
+              for (int64_t c = 0; c < d; ++c) pooled[c] += row[c];
+            }
+          }
+          const float inv_count = 1.f / static_cast<float>((y1 - y0) * (x1 - x0));
+          const int64_t i = iy * gw + ix;
+          const float* ep = e_pos + i * C + h * d;
+          const float* en = e_neg + i * C + h * d;
+          for (int64_t c = 0; c < d; ++c) {
+            const float mean = pooled[c] * inv_count + (q_shift != nullptr ? q_shift[h * d + c] : 0.f);
+            tokens[i * d + c] = mean + ep[c];
+            tokens[(n + i) * d + c] = mean + en[c];
+          }
+        }
+      }
+      for (int64_t j = 0; j < P_exact; ++j) {
+        for (int64_t c = 0; c < d; ++c)
+          tokens[(2 * n + j) * d + c] = qh[j * qr + c] + (q_shift != nullptr ? q_shift[h * d + c] : 0.f);
+      }
+
+      float* running_max = stats;
+      float* running_sum = stats + R;
+      std::fill(running_max, running_max + R, -std::numeric_limits<float>::infinity());
+      std::fill(running_sum, running_sum + R, 0.f);
+      std::fill(u, u + R * d, 0.f);
+      for (int64_t k0 = 0; k0 < N; k0 += kv_block) {
+        const int64_t len = std::min(kv_block, N - k0);
+        gemm_rows(true, R, len, d, s, tokens, d, kh + k0 * kr, kr, 0.f, logits, len);
+        for (int64_t r = 0; r < R; ++r) {
+          float* row = logits + r * len;
+          const float new_max = std::max(running_max[r], row_max(row, len));
+          const float correction = std::exp(running_max[r] - new_max);  // 0 on the first block
+          running_sum[r] = running_sum[r] * correction + exp_sum_(row, len, new_max);
+          running_max[r] = new_max;
+          if (k0 > 0) scale_(u + r * d, correction, d);
+        }
+        gemm_rows(false, R, d, len, 1.f, logits, len, vh + k0 * vr, vr, 1.f, u, d);
+      }
+      for (int64_t r = 0; r < R; ++r) {  // softmax rows sum to 1: P·(v + 1·bᵀ) = P·v + b
+        const float inv_sum = 1.f / running_sum[r];
+        float* row = u + r * d;
+        for (int64_t c = 0; c < d; ++c) row[c] = row[c] * inv_sum + (v_shift != nullptr ? v_shift[h * d + c] : 0.f);
+      }
+
+      for (int64_t j = 0; j < P_exact; ++j)  // exact read-out: the prefix rows are final (no norm, no conv)
+        std::copy(u + (2 * n + j) * d, u + (2 * n + j + 1) * d, o_data + (b * N + j) * C + h * d);
+      float* val = values + t * 2 * n * d;
+      for (int64_t i = 0; i < n; ++i) {
+        const float* up = u + i * d;
+        const float* un = u + (n + i) * d;
+        float* v_hat = val + i * d;
+        for (int64_t c = 0; c < d; ++c) v_hat[c] = up[c] - l1 * un[c];
+        normalise_add_taps_(v_hat, 1.f, w1, static_cast<float>(eps1), d, nullptr, nullptr, nullptr, 0, nullptr);
+        float* v_neg = val + (n + i) * d;
+        for (int64_t c = 0; c < d; ++c) v_neg[c] = -l2 * v_hat[c];
+      }
+      std::copy(tokens, tokens + 2 * n * d, keys + t * 2 * n * d);
+    }
+  });
+
+  // Stage II with RMSNorm₂ and the depthwise conv, per (image, head, block of query rows).
+  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, B * M * blocks, 1, [&](int64_t begin, int64_t end) {
+    float* logits = scratch(3, kRowBlock * 2 * n);
+    float* row_scale = scratch(5, kRowBlock + 2 * n);
+    float* column_shift = row_scale + kRowBlock;  // α·b_q·t_j: what the q bias adds to every row's logits
+    const float* tap_w[9];
+    const float* tap_src[9];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / blocks, block = task % blocks, b = t / M, h = t % M;
+      const int64_t r0 = std::max(block * kRowBlock, P_exact), r1 = std::min((block + 1) * kRowBlock, N);
+      if (r0 >= r1) continue;
+      const int64_t rows = r1 - r0;
+      const float alpha = s * (tau != nullptr ? tau[h] : 1.f);  // s·τ·q·tᵀ
+      gemm_rows(true, rows, 2 * n, d, alpha, q_data + b * qb + h * qh_ + r0 * qr, qr, keys + t * 2 * n * d, d, 0.f,
+                logits, 2 * n);
+      if (q_shift != nullptr) {
+        const float* key = keys + t * 2 * n * d;
+        for (int64_t j = 0; j < 2 * n; ++j) {
+          float dot = 0.f;
+          for (int64_t c = 0; c < d; ++c) dot += q_shift[h * d + c] * key[j * d + c];
+          column_shift[j] = alpha * dot;
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* row = logits + r * 2 * n;
+        if (q_shift != nullptr) {
+          for (int64_t j = 0; j < 2 * n; ++j) row[j] += column_shift[j];
+        }
+        if (joint) {  // one softmax over [t₊; t₋]: its 1/Σ is applied to the output row
+          row_scale[r] = 1.f / exp_sum_(row, 2 * n, row_max(row, 2 * n));
+        } else {  // two softmaxes, each half normalised here
+          scale_(row, 1.f / exp_sum_(row, n, row_max(row, n)), n);
+          scale_(row + n, 1.f / exp_sum_(row + n, n, row_max(row + n, n)), n);
+          row_scale[r] = 1.f;
+        }
+      }
+      float* o_block = o_data + (b * N + r0) * C + h * d;
+      gemm_rows(false, rows, d, 2 * n, 1.f, logits, 2 * n, values + t * 2 * n * d, d, 0.f, o_block, C);
+
+      const float* vh = v_data + b * vb + h * vh_;
+      const float* vbh = v_shift != nullptr ? v_shift + h * d : nullptr;
+      for (int64_t r = r0; r < r1; ++r) {
+        int taps = 0;
+        if (r >= P) {  // a patch row: the 3×3 neighbours inside the grid (zero padding)
+          const int64_t p = r - P, y = p / W, x = p % W;
+          for (int64_t dy = -1; dy <= 1; ++dy) {
+            for (int64_t dx = -1; dx <= 1; ++dx) {
+              const int64_t yy = y + dy, xx = x + dx;
+              if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
+              tap_w[taps] = taps_w + ((dy + 1) * 3 + (dx + 1)) * C + h * d;
+              tap_src[taps++] = vh + (P + yy * W + xx) * vr;
+            }
+          }
+        }
+        normalise_add_taps_(o_block + (r - r0) * C, row_scale[r - r0], w2, static_cast<float>(eps2), d,
+                            r >= P ? bias_w + h * d : nullptr, tap_w, tap_src, taps, vbh);
+      }
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY(vca_patch, m) {
+  m.def(
+      "attend_cpu(Tensor q, Tensor k, Tensor v, int num_prefix, int H, int W, Tensor? q_bias, Tensor? v_bias, "
+      "Tensor embed_pos, Tensor embed_neg, "
+      "Tensor? temperature, float lambda1, float lambda2, Tensor norm1_weight, Tensor norm2_weight, float eps1, "
+      "float eps2, float scale, bool exact_prefix, bool joint, int gh, int gw, Tensor dwc_taps, Tensor dwc_bias) "
+      "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vca_patch, CPU, m) { m.impl("attend_cpu", &attend_cpu); }

@@ -1,0 +1,107 @@
+"""VCA's fused CPU kernel (`csrc/vca_attend_cpu.cpp`): Stage I, Stage II, both RMSNorms and the depthwise conv
+as one op for float32 inference.
+
+On short sequences the composite path is ~25 small ATen calls per layer, each paying a cold dispatch (2-3x
+its hot time); the kernel runs them as one parallel region and makes VCA as fast as softmax attention at
+224 px. It is compiled on first use with torch's C++ extension loader (a C++ compiler and ninja; about 30 s,
+once, cached under TORCH_EXTENSIONS_DIR) and registered as `torch.ops.vca_patch.attend_cpu`. Without a
+compiler, or with VCA_PATCH_CPU_KERNEL=0, VCA keeps its composite path (same numbers, slower on small grids).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+ENV_SWITCH = "VCA_PATCH_CPU_KERNEL"
+_SOURCE = Path(__file__).with_name("csrc") / "vca_attend_cpu.cpp"
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+_logger = logging.getLogger(__name__)
+_lock = threading.Lock()
+_state: dict[str, object] = {"loaded": False, "error": None, "override": None}
+
+
+def _capability() -> str:
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability if capability in _CAPABILITY_FLAGS else "DEFAULT"
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load
+
+    capability = _capability()
+    flags = ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+    _logger.info("compiling VCA's fused CPU kernel (first use only, ~30 s)")
+    load(
+        name=f"vca_patch_attend_cpu_{capability.lower()}",
+        sources=[str(_SOURCE)],
+        extra_cflags=flags + _CAPABILITY_FLAGS.get(capability, []),
+        is_python_module=False,  # the library registers torch.ops.vca_patch.attend_cpu
+        verbose=False,
+    )
+
+
+def _reason(error: Exception) -> str:
+    """The line that says why: a compiler's `error:` line when there is one, else the exception's last line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    cause = next((line for line in lines if "error:" in line), lines[-1])
+    return f"{type(error).__name__}: {cause[:300]}"
+
+
+def kernel_available() -> bool:
+    """Whether the kernel is (or can now be) loaded; compiles it on the first call. Never raises."""
+    if _state["override"] is False or os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    if _state["loaded"]:
+        return True
+    with _lock:
+        if not _state["loaded"] and _state["error"] is None:
+            try:
+                _build()
+                _state["loaded"] = True
+            except Exception as error:  # no compiler, no ninja, no BLAS symbol: keep the composite path
+                _state["error"] = _reason(error)
+                warnings.warn(
+                    f"VCA's fused CPU kernel could not be built ({_state['error']}); using the composite path, "
+                    f"slower on small grids. A C++ compiler and `pip install ninja` enable it; "
+                    f"{ENV_SWITCH}=0 skips it.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+    return bool(_state["loaded"])
+
+
+def kernel_status() -> str:
+    """One line for reports: "fused", "composite (disabled)" or "composite (<why>)". Does not build."""
+    if _state["override"] is False or os.environ.get(ENV_SWITCH, "1") == "0":
+        return "composite (disabled)"
+    if _state["loaded"]:
+        return "fused"
+    return f"composite ({_state['error']})" if _state["error"] else "fused (not built yet)"
+
+
+@contextmanager
+def use_kernel(enabled: bool) -> Iterator[None]:
+    """Force the kernel off (or back to the default) inside the block: for tests and A/B benchmarks."""
+    previous = _state["override"]
+    _state["override"] = None if enabled else False
+    try:
+        yield
+    finally:
+        _state["override"] = previous
+
+
+def attend_cpu(*args: object) -> torch.Tensor:
+    """torch.ops.vca_patch.attend_cpu (see the C++ source for the arguments); call `kernel_available()` first."""
+    return torch.ops.vca_patch.attend_cpu(*args)
