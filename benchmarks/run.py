@@ -4,6 +4,7 @@
     python benchmarks/run.py --quick         # fewer repeats, 2-block model only
     python benchmarks/run.py --full-2048     # also the full 12-block DeiT-S at 2048 px (minutes per run)
     python benchmarks/run.py --hugepages     # the same with glibc backing big tensors by huge pages
+    python benchmarks/run.py --no-cpu-kernel # VCA's composite path instead of its fused CPU kernel
     python benchmarks/run.py --device cuda --dtype bfloat16   # the GPU suite (224..4096 px), *_cuda_bfloat16.json
     python benchmarks/run.py --smoke --results DIR            # seconds: the whole pipeline on a tiny model (tests)
 
@@ -79,10 +80,15 @@ def cuda_suite(quick: bool, full_2048: bool, repeats: int) -> list[Sweep]:
 SMOKE_SUITE = [Sweep("smoke_deit_t_depth1", (112, 224), depth=1, model="deit_tiny_patch16_224", repeats=1)]
 
 
-def file_suffix(device: str, dtype: str) -> str:
-    """`_cuda_bfloat16`, `_hugepages`, ...: results of different settings never overwrite each other."""
+def file_suffix(device: str, dtype: str, cpu_kernel: bool = True) -> str:
+    """`_cuda_bfloat16`, `_hugepages`, `_composite`...: results of different settings never overwrite each other."""
     suffix = "" if (device, dtype) == ("cpu", "float32") else f"_{device}_{dtype}"
-    return suffix + ("_hugepages" if device == "cpu" and malloc_setting() == "hugepages" else "")
+    cpu = device == "cpu"
+    return (
+        suffix
+        + ("_composite" if cpu and dtype == "float32" and not cpu_kernel else "")
+        + ("_hugepages" if cpu and malloc_setting() == "hugepages" else "")
+    )
 
 
 def sweep(entry: Sweep, settings: BenchSettings, results_dir: Path, suffix: str) -> dict:
@@ -147,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for the JSON files")
     parser.add_argument("--smoke", action="store_true", help="a 1-block DeiT-Ti at 112/224 px, one repeat (seconds)")
+    parser.add_argument(
+        "--no-cpu-kernel", dest="cpu_kernel", action="store_false", help="VCA's composite path (*_composite.json)"
+    )
     args = parser.parse_args(argv)
     if args.hugepages and malloc_setting() != "hugepages":  # malloc reads its tunables at process start
         env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
@@ -158,14 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 3 if args.quick else args.repeats
     suites = {"cpu": cpu_suite, "cuda": cuda_suite}
     suite = SMOKE_SUITE if args.smoke else suites[args.device](args.quick, args.full_2048, repeats)
-    suffix = file_suffix(args.device, args.dtype)
+    suffix = file_suffix(args.device, args.dtype, args.cpu_kernel)
     args.results.mkdir(parents=True, exist_ok=True)
 
     results = {}
     for entry in suite:
         settings = BenchSettings(
             resolutions=list(entry.resolutions), batch=entry.batch, device=args.device, dtype=args.dtype,
-            repeats=entry.repeats or repeats, warmup=1, threads=args.threads,
+            repeats=entry.repeats or repeats, warmup=1, threads=args.threads, cpu_kernel=args.cpu_kernel,
         )  # fmt: skip
         results[entry.name] = sweep(entry, settings, args.results, suffix)
     patch = patch_time(args.results, suffix, repeats=1 if args.smoke else 3)

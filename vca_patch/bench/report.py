@@ -13,6 +13,15 @@ def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _kernel_note(meta: dict[str, Any]) -> str:
+    """Which VCA path a CPU float32 run timed: the fused kernel or, and why, the composite one."""
+    status = meta.get("vca_cpu_kernel")
+    settings = meta["settings"]
+    if status is None or settings["device"] != "cpu" or settings["dtype"] != "float32" or settings.get("compile"):
+        return ""
+    return " · VCA fused CPU kernel" if status == "fused" else f" · VCA {status}"
+
+
 def results_table(result: dict[str, Any]) -> Table:
     """One row per resolution and variant: tokens, latency, throughput, memory, GMACs."""
     settings = result["meta"]["settings"]
@@ -21,6 +30,7 @@ def results_table(result: dict[str, Any]) -> Table:
         f"{result['meta']['threads']} threads · median of {settings['repeats']}"
         + (" · torch.compile" if settings.get("compile") else "")
         + (" · huge-page malloc" if result["meta"].get("malloc") == "hugepages" else "")
+        + _kernel_note(result["meta"])
     )
     table = Table(title=title, title_justify="left")
     for column in ("px", "tokens", "variant", "latency ms", "img/s", "infer MiB", "train MiB", "GMACs"):

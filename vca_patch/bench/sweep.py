@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..attention import fused_cpu
 from .crossover import crossover
 from .flops import model_macs, model_shape
 from .memory import peak_mib
@@ -32,6 +33,7 @@ class BenchSettings:
     unfused_max_tokens: int = 4200  # skip the explicit-softmax original above this (N² memory)
     threads: int | None = None
     compile: bool = False  # time torch.compile'd models (inductor, static shapes; memory stays eager)
+    cpu_kernel: bool = True  # VCA's fused CPU kernel for float32 inference (False: its composite path)
 
 
 @dataclass
@@ -99,6 +101,11 @@ def _divide_safely(a: float | None, b: float | None) -> float | None:
 
 def run_sweep(variants: list[Variant], settings: BenchSettings, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure every variant at every resolution; return a JSON-safe result (meta, results, ratios, crossover)."""
+    with fused_cpu.use_kernel(settings.cpu_kernel):
+        return _sweep(variants, settings, log)
+
+
+def _sweep(variants: list[Variant], settings: BenchSettings, log: Callable[[str], None]) -> dict[str, Any]:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     device = torch.device(settings.device)
@@ -224,6 +231,7 @@ def _meta(variants, settings, shape) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "loadavg_1_5_15": list(os.getloadavg()),  # other processes skew absolute times: check before quoting
         "malloc": malloc_setting(),
+        "vca_cpu_kernel": fused_cpu.kernel_status(),  # "fused", or why VCA ran its composite path
         "units": {
             "latency": "ms (median)",
             "memory": "MiB of tensors allocated during the call, peak (CPU: live-tensor tracker; CUDA: allocator)",

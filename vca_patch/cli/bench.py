@@ -58,6 +58,9 @@ def bench(
     use_compile: Annotated[
         bool, typer.Option("--compile", help="Time torch.compile'd models (inductor; memory is measured eager)")
     ] = False,
+    cpu_kernel: Annotated[
+        bool, typer.Option(help="VCA's fused CPU kernel for float32 inference (--no-cpu-kernel: composite path)")
+    ] = True,
 ) -> None:
     """Latency, throughput, peak memory and analytic MACs of MODEL, original vs patched, per resolution."""
     import torch
@@ -90,6 +93,7 @@ def bench(
         unfused_max_tokens=unfused_max_tokens if unfused else 0,
         threads=threads,
         compile=use_compile,
+        cpu_kernel=cpu_kernel,
     )
     configs = _target_configs(target, parse_layers(layers))
     model_args = {"depth": depth} if depth is not None else {}
