@@ -269,16 +269,28 @@ def test_vca_compiles_without_graph_breaks(softmax):
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
-def test_vca_inference_compiles_without_graph_breaks():
-    """The no-autograd paths (in-place norm, split qkv, input pooling, cached λ) trace too."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["fused-kernel", "composite"])
+def test_vca_inference_compiles_without_graph_breaks(kernel):
+    """The no-autograd paths trace whole: the fused CPU op as one opaque call, or the composite path (in-place
+    norm, split qkv, input pooling, cached λ)."""
+    from vca_patch.attention import fused_cpu
+
     torch._dynamo.reset()
     module = VisualContrastAttention(32, 4, contrast_grid=(2, 2), prefix_readout="exact", stage2_temperature=True)
     module.reset_vca_parameters("paper")
     layout = TokenLayout(1, (8, 9))  # 72 patches ≥ 8·4: the layer input is pooled
     x = torch.randn(1, 73, 32)
-    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
-    with torch.no_grad():
+    graphs = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(module, fullgraph=True, backend=recording_backend)
+    with torch.no_grad(), fused_cpu.use_kernel(kernel):
         torch.testing.assert_close(compiled(x, layout=layout), module(x, layout=layout), atol=1e-5, rtol=1e-5)
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes]
+    assert ("vca_patch.attend_cpu" in targets) == (kernel and fused_cpu.kernel_available())
 
 
 def test_sweep_times_compiled_models_when_asked():

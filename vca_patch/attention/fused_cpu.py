@@ -29,7 +29,7 @@ _CAPABILITY_FLAGS = {
 
 _logger = logging.getLogger(__name__)
 _lock = threading.Lock()
-_state: dict[str, object] = {"loaded": False, "error": None, "override": None}
+_state: dict[str, object] = {"loaded": False, "error": None, "override": None, "fake_registered": False}
 
 
 def _capability() -> str:
@@ -50,6 +50,14 @@ def _build() -> None:
         is_python_module=False,  # the library registers torch.ops.vca_patch.attend_cpu
         verbose=False,
     )
+    if not _state["fake_registered"]:  # shapes for torch.compile: the op is an opaque call in a traced graph
+        torch.library.register_fake("vca_patch::attend_cpu")(_fake_attend)
+        _state["fake_registered"] = True
+
+
+def _fake_attend(q: torch.Tensor, *args: object) -> torch.Tensor:
+    batch, heads, tokens, head_dim = q.shape
+    return q.new_empty(batch, tokens, heads * head_dim)
 
 
 def _reason(error: Exception) -> str:
@@ -59,6 +67,7 @@ def _reason(error: Exception) -> str:
     return f"{type(error).__name__}: {cause[:300]}"
 
 
+@torch.compiler.assume_constant_result  # traced as a constant: no guard on the environment, no graph break
 def kernel_available() -> bool:
     """Whether the kernel is (or can now be) loaded; compiles it on the first call. Never raises."""
     if _state["override"] is False or os.environ.get(ENV_SWITCH, "1") == "0":

@@ -286,8 +286,8 @@ class VisualContrastAttention(CarriedAttentionLayer):
         return self.attend(x, q, k, v, layout)
 
     def _fused_kernel_usable(self, x: torch.Tensor) -> bool:
-        """float32 CPU inference (nothing needs a gradient), eager, and the kernel built (see `fused_cpu`)."""
-        if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
+        """float32 CPU inference (nothing needs a gradient) and the kernel built (see `fused_cpu`)."""
+        if x.device.type != "cpu" or x.dtype != torch.float32:
             return False
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
             return False
@@ -312,34 +312,38 @@ class VisualContrastAttention(CarriedAttentionLayer):
     def kernel_arguments(self) -> tuple:
         """The fused kernel's arguments after the biases (see the C++ source), rebuilt only when a parameter
         changes (in place or replaced): inference pays no op for λ, the scaled norm weights or the conv taps."""
+        if torch.compiler.is_compiling():  # traced once into the graph: no cache
+            return self._build_kernel_arguments()
         sources = (
             self.contrast_embed_pos, self.contrast_embed_neg, self.stage2_temperature, self.stage1_norm.weight,
             self.stage2_norm.weight, self.dwc.weight, self.dwc.bias, *self.lambda1.vectors(), *self.lambda2.vectors(),
         )  # fmt: skip
         key = tuple((p.data_ptr(), p._version) for p in sources if p is not None)
         if self._kernel_arguments is None or self._kernel_arguments[0] != key:
-            with torch.no_grad():
-                scale = 1 - self.lambda_init
-                temperature = self.stage2_temperature
-                arguments = (
-                    self.contrast_embed_pos[0].float().contiguous(),  # [n, C]
-                    self.contrast_embed_neg[0].float().contiguous(),
-                    None if temperature is None else temperature.float().contiguous(),  # [M]
-                    float(self.lambda1()),
-                    float(self.lambda2()),
-                    (self.stage1_norm.weight.float() * scale).contiguous(),  # [d]
-                    (self.stage2_norm.weight.float() * scale).contiguous(),
-                    self.stage1_norm.eps,
-                    self.stage2_norm.eps,
-                    self.scale,
-                    self.prefix_readout == "exact",
-                    self.softmax == "joint",
-                    *self.contrast_grid,
-                    self.dwc.weight.float().reshape(self.attn_dim, 9).t().contiguous(),  # [9, C], tap-major
-                    self.dwc.bias.float().contiguous(),
-                )
-            self._kernel_arguments = (key, arguments)
+            self._kernel_arguments = (key, self._build_kernel_arguments())
         return self._kernel_arguments[1]
+
+    def _build_kernel_arguments(self) -> tuple:
+        with torch.no_grad():
+            scale = 1 - self.lambda_init
+            temperature = self.stage2_temperature
+            return (
+                self.contrast_embed_pos[0].float().contiguous(),  # [n, C]
+                self.contrast_embed_neg[0].float().contiguous(),
+                None if temperature is None else temperature.float().contiguous(),  # [M]
+                self.lambda1().float(),  # 0-d: read by the kernel, no sync here
+                self.lambda2().float(),
+                (self.stage1_norm.weight.float() * scale).contiguous(),  # [d]
+                (self.stage2_norm.weight.float() * scale).contiguous(),
+                self.stage1_norm.eps,
+                self.stage2_norm.eps,
+                self.scale,
+                self.prefix_readout == "exact",
+                self.softmax == "joint",
+                *self.contrast_grid,
+                self.dwc.weight.float().reshape(self.attn_dim, 9).t().contiguous(),  # [9, C], tap-major
+                self.dwc.bias.float().contiguous(),
+            )
 
     def attend(
         self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from ..config import CONFIG_TYPES, ConfigError, TargetConfig
-from .common import console, fail, parse_layers
+from .common import console, fail, parse_layers, prepare_cpu_kernel
 
 
 def _parse_ints(spec: str, option: str) -> list[int]:
@@ -97,6 +97,8 @@ def bench(
     )
     configs = _target_configs(target, parse_layers(layers))
     model_args = {"depth": depth} if depth is not None else {}
+    if device == "cpu" and dtype == "float32" and cpu_kernel and any(c.target == "vca" for c in configs):
+        prepare_cpu_kernel()
     with console.status(f"Building {model} and its variants..."):
         try:
             variants = build_variants(model, configs, model_args=model_args, unfused=unfused)

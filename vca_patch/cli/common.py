@@ -18,6 +18,15 @@ def fail(message: str, code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
+def prepare_cpu_kernel() -> None:
+    """Load VCA's fused CPU kernel under a spinner (compiled on the first run), not silently in a first forward."""
+    from ..attention import fused_cpu
+
+    if fused_cpu.kernel_status() == "fused (not built yet)":
+        with console.status("Loading VCA's fused CPU kernel (compiled on the first run, ~30 s)..."):
+            fused_cpu.kernel_available()
+
+
 def parse_layers(spec: str | None) -> list[int] | None:
     """'0-5,8' -> [0, 1, 2, 3, 4, 5, 8]; None or 'all' -> None."""
     if spec is None or spec.strip().lower() == "all":

@@ -20,7 +20,7 @@ from ..io import (
 )
 from ..io.atomic import check_output_dir
 from ..surgery import PatchError, patch_model
-from .common import console, fail, parse_layers
+from .common import console, fail, parse_layers, prepare_cpu_kernel
 from .fidelity import calibrate_for_convert, summary_table
 from .report_view import sites_table, totals_table
 
@@ -91,6 +91,8 @@ def convert(
         except (UnknownModelError, HubUnavailableError, WeightsMismatchError) as exc:
             fail(str(exc))
     probe = probe_batch(net, probe_size, seed)
+    if config.target == "vca":
+        prepare_cpu_kernel()
     with console.status("Patching and probing..."), torch.no_grad():
         reference = net(probe)
         try:

@@ -147,15 +147,16 @@ void check_vector(const at::Tensor& t, int64_t numel, const char* name) {
 
 // q, k, v: [B, M, N, d] (unit channel stride; any batch, head and row strides, e.g. head views of token rows);
 // N = num_prefix + H·W tokens. q_bias, v_bias: [C] biases not yet added to q and v (a k bias needs no adding:
-// every softmax over keys is shift-invariant per row; the caller drops it). The rest are the layer's constants: embed_pos/neg: [n, C]; temperature: [M] or None; norm weights: [d], already scaled by (1 − λ_init);
-// dwc_taps: [9, C] (tap-major depthwise weights); dwc_bias: [C]. Returns o [B, N, C], the input of `proj`.
+// every softmax over keys is shift-invariant per row; the caller drops it). The rest are the layer's constants:
+// embed_pos/neg [n, C]; temperature [M] or None; lambda1/2 0-d; norm weights [d], already scaled by (1 − λ_init);
+// dwc_taps [9, C] (tap-major depthwise weights); dwc_bias [C]. Returns o [B, N, C], the input of `proj`.
 at::Tensor attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_prefix, int64_t H,
                       int64_t W, const std::optional<at::Tensor>& q_bias, const std::optional<at::Tensor>& v_bias,
                       const at::Tensor& embed_pos, const at::Tensor& embed_neg,
-                      const std::optional<at::Tensor>& temperature, double lambda1, double lambda2,
-                      const at::Tensor& norm1_weight, const at::Tensor& norm2_weight, double eps1, double eps2,
-                      double scale, bool exact_prefix, bool joint, int64_t gh, int64_t gw, const at::Tensor& dwc_taps,
-                      const at::Tensor& dwc_bias) {
+                      const std::optional<at::Tensor>& temperature, const at::Tensor& lambda1,
+                      const at::Tensor& lambda2, const at::Tensor& norm1_weight, const at::Tensor& norm2_weight,
+                      double eps1, double eps2, double scale, bool exact_prefix, bool joint, int64_t gh, int64_t gw,
+                      const at::Tensor& dwc_taps, const at::Tensor& dwc_bias) {
   check_heads(q, "q");
   check_heads(k, "k");
   check_heads(v, "v");
@@ -189,7 +190,8 @@ at::Tensor attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const float* w2 = norm2_weight.data_ptr<float>();
   const float* taps_w = dwc_taps.data_ptr<float>();
   const float* bias_w = dwc_bias.data_ptr<float>();
-  const float l1 = static_cast<float>(lambda1), l2 = static_cast<float>(lambda2), s = static_cast<float>(scale);
+  TORCH_CHECK(lambda1.numel() == 1 && lambda2.numel() == 1, "lambda1 and lambda2 must be scalars");
+  const float l1 = lambda1.item<float>(), l2 = lambda2.item<float>(), s = static_cast<float>(scale);
 
   at::Tensor out = at::empty({B, N, C}, q.options());
   float* o_data = out.data_ptr<float>();
@@ -344,9 +346,10 @@ TORCH_LIBRARY(vca_patch, m) {
   m.def(
       "attend_cpu(Tensor q, Tensor k, Tensor v, int num_prefix, int H, int W, Tensor? q_bias, Tensor? v_bias, "
       "Tensor embed_pos, Tensor embed_neg, "
-      "Tensor? temperature, float lambda1, float lambda2, Tensor norm1_weight, Tensor norm2_weight, float eps1, "
+      "Tensor? temperature, Tensor lambda1, Tensor lambda2, Tensor norm1_weight, Tensor norm2_weight, float eps1, "
       "float eps2, float scale, bool exact_prefix, bool joint, int gh, int gw, Tensor dwc_taps, Tensor dwc_bias) "
-      "-> Tensor");
+      "-> Tensor",
+      {at::Tag::needs_fixed_stride_order});  // under torch.compile, inputs keep their eager strides
 }
 
 TORCH_LIBRARY_IMPL(vca_patch, CPU, m) { m.impl("attend_cpu", &attend_cpu); }
