@@ -103,16 +103,20 @@ inline void scale_(float* x, float factor, int64_t len) {
   }
 }
 
-// o[0:d] <- RMSNorm(o·scale)·w (+ bias + Σ tap_w[i]·(tap_src[i] + src_bias) when given): Stage II's row epilogue.
-void normalise_add_taps_(float* o, float scale, const float* w, float eps, int64_t d, const float* bias,
-                         const float* const* tap_w, const float* const* tap_src, int taps, const float* src_bias) {
+// scale / sqrt(mean((o·scale)²) + eps): the factor that RMS-normalises the row o[0:d] scaled by `scale`.
+float rms_factor(const float* o, float scale, float eps, int64_t d) {
   Vec squares(0.f);
   for (int64_t c = 0; c < d; c += kLanes) {
     const Vec x = load(o + c, std::min(kLanes, d - c));
     squares = at::vec::fmadd(x, x, squares);
   }
-  const float mean_square = lane_sum(squares) * scale * scale / static_cast<float>(d);
-  const Vec factor(scale / std::sqrt(mean_square + eps));
+  return scale / std::sqrt(lane_sum(squares) * scale * scale / static_cast<float>(d) + eps);
+}
+
+// o[0:d] <- RMSNorm(o·scale)·w (+ bias + Σ tap_w[i]·(tap_src[i] + src_bias) when given): Stage II's row epilogue.
+void normalise_add_taps_(float* o, float scale, const float* w, float eps, int64_t d, const float* bias,
+                         const float* const* tap_w, const float* const* tap_src, int taps, const float* src_bias) {
+  const Vec factor(rms_factor(o, scale, eps, d));
   for (int64_t c = 0; c < d; c += kLanes) {
     const int64_t count = std::min(kLanes, d - c);
     Vec acc = load(o + c, count) * factor * load(w + c, count);
@@ -121,6 +125,30 @@ void normalise_add_taps_(float* o, float scale, const float* w, float eps, int64
     for (int i = 0; i < taps; ++i) {
       acc = at::vec::fmadd(load(tap_w[i] + c, count), load(tap_src[i] + c, count) + shift, acc);
     }
+    store(acc, o + c, count);
+  }
+}
+
+// The same for a patch row whose 3×3 neighbourhood lies inside the grid (most rows): the nine taps at fixed
+// offsets from `center` (±row for x, ±line for y), unrolled; `bias` already holds the conv of the v bias.
+void normalise_add_interior_taps_(float* o, float scale, const float* w, float eps, int64_t d, const float* bias,
+                                  const float* taps, int64_t tap_stride, const float* center, int64_t row,
+                                  int64_t line) {
+  const Vec factor(rms_factor(o, scale, eps, d));
+  for (int64_t c = 0; c < d; c += kLanes) {
+    const int64_t count = std::min(kLanes, d - c);
+    const float* t = taps + c;
+    const float* v = center + c;
+    Vec acc = load(o + c, count) * factor * load(w + c, count) + load(bias + c, count);
+    acc = at::vec::fmadd(load(t, count), load(v - line - row, count), acc);
+    acc = at::vec::fmadd(load(t + tap_stride, count), load(v - line, count), acc);
+    acc = at::vec::fmadd(load(t + 2 * tap_stride, count), load(v - line + row, count), acc);
+    acc = at::vec::fmadd(load(t + 3 * tap_stride, count), load(v - row, count), acc);
+    acc = at::vec::fmadd(load(t + 4 * tap_stride, count), load(v, count), acc);
+    acc = at::vec::fmadd(load(t + 5 * tap_stride, count), load(v + row, count), acc);
+    acc = at::vec::fmadd(load(t + 6 * tap_stride, count), load(v + line - row, count), acc);
+    acc = at::vec::fmadd(load(t + 7 * tap_stride, count), load(v + line, count), acc);
+    acc = at::vec::fmadd(load(t + 8 * tap_stride, count), load(v + line + row, count), acc);
     store(acc, o + c, count);
   }
 }
@@ -283,8 +311,9 @@ at::Tensor attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, B * M * blocks, 1, [&](int64_t begin, int64_t end) {
     float* logits = scratch(3, kRowBlock * 2 * n);
-    float* row_scale = scratch(5, kRowBlock + 2 * n);
+    float* row_scale = scratch(5, kRowBlock + 2 * n + d);
     float* column_shift = row_scale + kRowBlock;  // α·b_q·t_j: what the q bias adds to every row's logits
+    float* interior_bias = column_shift + 2 * n;  // conv bias + Σ_taps w·b_v: an interior row's constant term
     const float* tap_w[9];
     const float* tap_src[9];
     for (int64_t task = begin; task < end; ++task) {
@@ -321,21 +350,34 @@ at::Tensor attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
       const float* vh = v_data + b * vb + h * vh_;
       const float* vbh = v_shift != nullptr ? v_shift + h * d : nullptr;
+      const float* head_taps = taps_w + h * d;
+      for (int64_t c = 0; c < d; ++c) {
+        float tap_sum = 0.f;
+        for (int64_t i = 0; i < 9; ++i) tap_sum += head_taps[i * C + c];
+        interior_bias[c] = bias_w[h * d + c] + (vbh != nullptr ? vbh[c] * tap_sum : 0.f);
+      }
       for (int64_t r = r0; r < r1; ++r) {
+        float* o_row = o_block + (r - r0) * C;
+        const float scale_r = row_scale[r - r0];
+        const int64_t p = r - P, y = p / W, x = p % W;
+        if (r >= P && y > 0 && y < H - 1 && x > 0 && x < W - 1) {
+          normalise_add_interior_taps_(o_row, scale_r, w2, static_cast<float>(eps2), d, interior_bias, head_taps, C,
+                                       vh + r * vr, vr, W * vr);
+          continue;
+        }
         int taps = 0;
-        if (r >= P) {  // a patch row: the 3×3 neighbours inside the grid (zero padding)
-          const int64_t p = r - P, y = p / W, x = p % W;
+        if (r >= P) {  // a border patch row: the 3×3 neighbours inside the grid (zero padding)
           for (int64_t dy = -1; dy <= 1; ++dy) {
             for (int64_t dx = -1; dx <= 1; ++dx) {
               const int64_t yy = y + dy, xx = x + dx;
               if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
-              tap_w[taps] = taps_w + ((dy + 1) * 3 + (dx + 1)) * C + h * d;
+              tap_w[taps] = head_taps + ((dy + 1) * 3 + (dx + 1)) * C;
               tap_src[taps++] = vh + (P + yy * W + xx) * vr;
             }
           }
         }
-        normalise_add_taps_(o_block + (r - r0) * C, row_scale[r - r0], w2, static_cast<float>(eps2), d,
-                            r >= P ? bias_w + h * d : nullptr, tap_w, tap_src, taps, vbh);
+        normalise_add_taps_(o_row, scale_r, w2, static_cast<float>(eps2), d, r >= P ? bias_w + h * d : nullptr, tap_w,
+                            tap_src, taps, vbh);
       }
     }
   });
