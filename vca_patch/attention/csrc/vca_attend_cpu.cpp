@@ -153,9 +153,10 @@ void normalise_add_interior_taps_(float* o, float scale, const float* w, float e
   }
 }
 
-// A grow-only per-thread buffer: nothing to allocate, and no fresh pages to fault in, on every call.
+// A grow-only per-thread buffer: nothing to allocate, and no fresh pages to fault in, on every call. Its size
+// does not grow with the batch or the grid (at most (2n + P)·(512 + d) floats).
 float* scratch(int slot, int64_t size) {
-  thread_local std::vector<float> buffers[6];
+  thread_local std::vector<float> buffers[4];
   auto& buffer = buffers[slot];
   if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
   return buffer.data();
@@ -224,17 +225,19 @@ at::Tensor attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   at::Tensor out = at::empty({B, N, C}, q.options());
   float* o_data = out.data_ptr<float>();
   // Per (image, head): the 2n contrast tokens (Stage-II keys) and [v̂; −λ₂v̂] (Stage-II values).
-  float* keys = scratch(0, B * M * 2 * n * d);
-  float* values = scratch(1, B * M * 2 * n * d);
+  // (Sized by the batch, so allocated per call rather than kept per thread like the small blocks below.)
+  at::Tensor contrast = at::empty({2, B * M * 2 * n * d}, q.options());
+  float* keys = contrast.data_ptr<float>();
+  float* values = keys + B * M * 2 * n * d;
 
   // Stage I, per (image, head).
   at::parallel_for(0, B * M, 1, [&](int64_t begin, int64_t end) {
     const int64_t kv_block = std::min(kKeyBlock, N);
-    float* tokens = scratch(2, R * d + d);  // [R, d] queries: t₊, t₋, then the exact prefix rows
+    float* tokens = scratch(0, R * d + d);  // [R, d] queries: t₊, t₋, then the exact prefix rows
     float* pooled = tokens + R * d;
-    float* logits = scratch(3, R * kv_block + R * d);
+    float* logits = scratch(1, R * kv_block + R * d);
     float* u = logits + R * kv_block;  // [R, d] running Σ exp·v
-    float* stats = scratch(4, 2 * R);  // running max, running Σ exp
+    float* stats = scratch(2, 2 * R);  // running max, running Σ exp
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / M, h = t % M;
       const float* qh = q_data + b * qb + h * qh_;
@@ -310,8 +313,8 @@ at::Tensor attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   // Stage II with RMSNorm₂ and the depthwise conv, per (image, head, block of query rows).
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, B * M * blocks, 1, [&](int64_t begin, int64_t end) {
-    float* logits = scratch(3, kRowBlock * 2 * n);
-    float* row_scale = scratch(5, kRowBlock + 2 * n + d);
+    float* logits = scratch(1, kRowBlock * 2 * n);
+    float* row_scale = scratch(3, kRowBlock + 2 * n + d);
     float* column_shift = row_scale + kRowBlock;  // α·b_q·t_j: what the q bias adds to every row's logits
     float* interior_bias = column_shift + 2 * n;  // conv bias + Σ_taps w·b_v: an interior row's constant term
     const float* tap_w[9];
