@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -125,30 +126,6 @@ void normalise_add_taps_(float* o, float scale, const float* w, float eps, int64
     for (int i = 0; i < taps; ++i) {
       acc = at::vec::fmadd(load(tap_w[i] + c, count), load(tap_src[i] + c, count) + shift, acc);
     }
-    store(acc, o + c, count);
-  }
-}
-
-// The same for a patch row whose 3×3 neighbourhood lies inside the grid (most rows): the nine taps at fixed
-// offsets from `center` (±row for x, ±line for y), unrolled; `bias` already holds the conv of the v bias.
-void normalise_add_interior_taps_(float* o, float scale, const float* w, float eps, int64_t d, const float* bias,
-                                  const float* taps, int64_t tap_stride, const float* center, int64_t row,
-                                  int64_t line) {
-  const Vec factor(rms_factor(o, scale, eps, d));
-  for (int64_t c = 0; c < d; c += kLanes) {
-    const int64_t count = std::min(kLanes, d - c);
-    const float* t = taps + c;
-    const float* v = center + c;
-    Vec acc = load(o + c, count) * factor * load(w + c, count) + load(bias + c, count);
-    acc = at::vec::fmadd(load(t, count), load(v - line - row, count), acc);
-    acc = at::vec::fmadd(load(t + tap_stride, count), load(v - line, count), acc);
-    acc = at::vec::fmadd(load(t + 2 * tap_stride, count), load(v - line + row, count), acc);
-    acc = at::vec::fmadd(load(t + 3 * tap_stride, count), load(v - row, count), acc);
-    acc = at::vec::fmadd(load(t + 4 * tap_stride, count), load(v, count), acc);
-    acc = at::vec::fmadd(load(t + 5 * tap_stride, count), load(v + row, count), acc);
-    acc = at::vec::fmadd(load(t + 6 * tap_stride, count), load(v + line - row, count), acc);
-    acc = at::vec::fmadd(load(t + 7 * tap_stride, count), load(v + line, count), acc);
-    acc = at::vec::fmadd(load(t + 8 * tap_stride, count), load(v + line + row, count), acc);
     store(acc, o + c, count);
   }
 }
@@ -359,13 +336,16 @@ at::Tensor attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         for (int64_t i = 0; i < 9; ++i) tap_sum += head_taps[i * C + c];
         interior_bias[c] = bias_w[h * d + c] + (vbh != nullptr ? vbh[c] * tap_sum : 0.f);
       }
+      // Prefix and border rows whole, here; interior rows (all nine neighbours in the grid) get their RMS factor
+      // here and the rest below, one channel block at a time.
+      std::array<bool, kRowBlock> interior{};
       for (int64_t r = r0; r < r1; ++r) {
         float* o_row = o_block + (r - r0) * C;
         const float scale_r = row_scale[r - r0];
         const int64_t p = r - P, y = p / W, x = p % W;
         if (r >= P && y > 0 && y < H - 1 && x > 0 && x < W - 1) {
-          normalise_add_interior_taps_(o_row, scale_r, w2, static_cast<float>(eps2), d, interior_bias, head_taps, C,
-                                       vh + r * vr, vr, W * vr);
+          interior[r - r0] = true;
+          row_scale[r - r0] = rms_factor(o_row, scale_r, static_cast<float>(eps2), d);
           continue;
         }
         int taps = 0;
@@ -381,6 +361,31 @@ at::Tensor attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         }
         normalise_add_taps_(o_row, scale_r, w2, static_cast<float>(eps2), d, r >= P ? bias_w + h * d : nullptr, tap_w,
                             tap_src, taps, vbh);
+      }
+      // Interior rows by channel block: the nine tap weights stay in registers and the three grid lines of v
+      // that a block reads (3·W·64 bytes) stay in L1. `interior_bias` already holds the conv of the v bias.
+      const int64_t line = W * vr;
+      for (int64_t c = 0; c < d; c += kLanes) {
+        const int64_t count = std::min(kLanes, d - c);
+        std::array<Vec, 9> tap;
+        for (int64_t i = 0; i < 9; ++i) tap[i] = load(head_taps + i * C + c, count);
+        const Vec weight = load(w2 + c, count), bias = load(interior_bias + c, count);
+        for (int64_t r = r0; r < r1; ++r) {
+          if (!interior[r - r0]) continue;
+          float* o = o_block + (r - r0) * C + c;
+          const float* v = vh + r * vr + c;
+          Vec acc = load(o, count) * Vec(row_scale[r - r0]) * weight + bias;
+          acc = at::vec::fmadd(tap[0], load(v - line - vr, count), acc);
+          acc = at::vec::fmadd(tap[1], load(v - line, count), acc);
+          acc = at::vec::fmadd(tap[2], load(v - line + vr, count), acc);
+          acc = at::vec::fmadd(tap[3], load(v - vr, count), acc);
+          acc = at::vec::fmadd(tap[4], load(v, count), acc);
+          acc = at::vec::fmadd(tap[5], load(v + vr, count), acc);
+          acc = at::vec::fmadd(tap[6], load(v + line - vr, count), acc);
+          acc = at::vec::fmadd(tap[7], load(v + line, count), acc);
+          acc = at::vec::fmadd(tap[8], load(v + line + vr, count), acc);
+          store(acc, o, count);
+        }
       }
     }
   });
