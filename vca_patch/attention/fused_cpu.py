@@ -3,7 +3,7 @@ as one op for float32 inference.
 
 On short sequences the composite path is ~25 small ATen calls per layer, each paying a cold dispatch (2-3x
 its hot time); the kernel runs them as one parallel region and makes VCA as fast as softmax attention at
-224 px. It is compiled on first use with torch's C++ extension loader (a C++ compiler and ninja; about 30 s,
+224 px. It is compiled on first use with torch's C++ extension loader (a C++ compiler and ninja; 10–30 s,
 once, cached under TORCH_EXTENSIONS_DIR) and registered as `torch.ops.vca_patch.attend_cpu`. Without a
 compiler, or with VCA_PATCH_CPU_KERNEL=0, VCA keeps its composite path (same numbers, slower on small grids).
 """
@@ -42,7 +42,7 @@ def _build() -> None:
 
     capability = _capability()
     flags = ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
-    _logger.info("compiling VCA's fused CPU kernel (first use only, ~30 s)")
+    _logger.info("compiling VCA's fused CPU kernel (first use only, 10–30 s)")
     load(
         name=f"vca_patch_attend_cpu_{capability.lower()}",
         sources=[str(_SOURCE)],

@@ -23,7 +23,7 @@ def prepare_cpu_kernel() -> None:
     from ..attention import fused_cpu
 
     if fused_cpu.kernel_status() == "fused (not built yet)":
-        with console.status("Loading VCA's fused CPU kernel (compiled on the first run, ~30 s)..."):
+        with console.status("Loading VCA's fused CPU kernel (compiled on the first run, 10–30 s)..."):
             fused_cpu.kernel_available()
 
 
