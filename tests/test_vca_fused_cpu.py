@@ -58,6 +58,26 @@ def test_kernel_matches_float64_reference(case, options):
     assert (got.double() - expected).norm() / expected.norm() < 2e-6
 
 
+@pytest.mark.parametrize(
+    "threads, grid",
+    [(2, (46, 46)), (4, (36, 30)), (3, (10, 10))],  # 5 key blocks in 4 chunks (the last empty); 3 in 3; 1 in 1
+)
+def test_kernel_splits_the_keys_of_few_heads_across_threads(threads, grid):
+    """One image and one head: Stage I's keys go to several threads and their partial softmaxes are merged."""
+    module = _randomised(VisualContrastAttention(16, 1, contrast_grid=(3, 3), prefix_readout="exact"))
+    x = torch.randn(1, 1 + grid[0] * grid[1], 16)
+    expected = reference_vca(module, x, 1, grid)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            got, calls = _calls_kernel(module, x, TokenLayout(1, grid))
+    finally:
+        torch.set_num_threads(previous)
+    assert calls == 1
+    assert (got.double() - expected).norm() / expected.norm() < 2e-6
+
+
 def test_kernel_and_composite_paths_agree_and_the_switch_works():
     module = _randomised(VisualContrastAttention(48, 4, contrast_grid=(3, 3), prefix_readout="exact"))
     x, layout = torch.randn(2, 1 + 100, 48), TokenLayout(1, (10, 10))

@@ -28,7 +28,7 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();
 constexpr int64_t kKeyBlock = 512;  // Stage-I keys per block: the logits block stays in L2
-constexpr int64_t kRowBlock = 256;  // Stage-II query rows per task
+constexpr int64_t kRowBlock = 256;  // Stage-II query rows per task, at most (fewer when threads would idle)
 
 // Row-major c[m×n] = alpha·a[m×k]·op(b) + beta·c, op(b) = b [k×n] or bᵀ (b stored [n×k]); ld* are row strides.
 void gemm_rows(bool b_transposed, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
@@ -131,9 +131,9 @@ void normalise_add_taps_(float* o, float scale, const float* w, float eps, int64
 }
 
 // A grow-only per-thread buffer: nothing to allocate, and no fresh pages to fault in, on every call. Its size
-// does not grow with the batch or the grid (at most (2n + P)·(512 + d) floats).
+// does not grow with the batch or the grid (at most (2n + P)·max(512, d) floats, plus one per key chunk).
 float* scratch(int slot, int64_t size) {
-  thread_local std::vector<float> buffers[4];
+  thread_local std::vector<float> buffers[6];
   auto& buffer = buffers[slot];
   if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
   return buffer.data();
@@ -201,94 +201,155 @@ at::Tensor attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
   at::Tensor out = at::empty({B, N, C}, q.options());
   float* o_data = out.data_ptr<float>();
-  // Per (image, head): the 2n contrast tokens (Stage-II keys) and [v̂; −λ₂v̂] (Stage-II values).
-  // (Sized by the batch, so allocated per call rather than kept per thread like the small blocks below.)
-  at::Tensor contrast = at::empty({2, B * M * 2 * n * d}, q.options());
-  float* keys = contrast.data_ptr<float>();
-  float* values = keys + B * M * 2 * n * d;
+  // Stage I reads every key once per (image, head); when there are fewer of those than twice the threads, each
+  // head's keys are split into chunks whose partial softmax sums are merged afterwards (as flash-decoding does).
+  const int64_t heads = B * M, kv_blocks = (N + kKeyBlock - 1) / kKeyBlock;
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunks = std::min(kv_blocks, std::max<int64_t>(1, (2 * threads + heads - 1) / heads));
+  const int64_t chunk_keys = (kv_blocks + chunks - 1) / chunks * kKeyBlock;
+  const int64_t partial = R * (d + 2);  // one chunk's Σ exp·v [R, d], running max [R] and Σ exp [R]
+  // Per call (sized by the batch): Stage-II keys (the 2n contrast tokens) and values [v̂; −λ₂v̂] and, when the keys
+  // are split, each head's Stage-I queries and chunk partials (else a thread's own blocks hold them).
+  const bool split = chunks > 1;
+  at::Tensor work = at::empty({heads * (4 * n * d + (split ? R * d + chunks * partial : 0))}, q.options());
+  float* keys = work.data_ptr<float>();
+  float* values = keys + heads * 2 * n * d;
+  float* split_queries = values + heads * 2 * n * d;
+  float* split_partials = split_queries + heads * R * d;
+  const auto queries_of = [&](int64_t t) { return split ? split_queries + t * R * d : scratch(4, R * d); };
+  const auto partial_of = [&](int64_t task) { return split ? split_partials + task * partial : scratch(5, partial); };
 
-  // Stage I, per (image, head).
-  at::parallel_for(0, B * M, 1, [&](int64_t begin, int64_t end) {
-    const int64_t kv_block = std::min(kKeyBlock, N);
-    float* tokens = scratch(0, R * d + d);  // [R, d] queries: t₊, t₋, then the exact prefix rows
-    float* pooled = tokens + R * d;
-    float* logits = scratch(1, R * kv_block + R * d);
-    float* u = logits + R * kv_block;  // [R, d] running Σ exp·v
-    float* stats = scratch(2, 2 * R);  // running max, running Σ exp
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / M, h = t % M;
-      const float* qh = q_data + b * qb + h * qh_;
-      const float* kh = k_data + b * kb + h * kh_;
-      const float* vh = v_data + b * vb + h * vh_;
-      for (int64_t iy = 0; iy < gh; ++iy) {  // adaptive average pooling windows, as torch computes them
-        const int64_t y0 = iy * H / gh, y1 = ((iy + 1) * H + gh - 1) / gh;
-        for (int64_t ix = 0; ix < gw; ++ix) {
-          const int64_t x0 = ix * W / gw, x1 = ((ix + 1) * W + gw - 1) / gw;
-          std::fill(pooled, pooled + d, 0.f);
-          for (int64_t y = y0; y < y1; ++y) {
-            for (int64_t x = x0; x < x1; ++x) {
-              const float* row = qh + (P + y * W + x) * qr;
-              for (int64_t c = 0; c < d; ++c) pooled[c] += row[c];
-            }
-          }
-          const float inv_count = 1.f / static_cast<float>((y1 - y0) * (x1 - x0));
-          const int64_t i = iy * gw + ix;
-          const float* ep = e_pos + i * C + h * d;
-          const float* en = e_neg + i * C + h * d;
-          for (int64_t c = 0; c < d; ++c) {
-            const float mean = pooled[c] * inv_count + (q_shift != nullptr ? q_shift[h * d + c] : 0.f);
-            tokens[i * d + c] = mean + ep[c];
-            tokens[(n + i) * d + c] = mean + en[c];
+  // Stage I queries of (image, head) t: t± = pooled q + e±, then the exact prefix rows.
+  const auto build_queries = [&](int64_t t) {
+    float* pooled = scratch(0, d);
+    const int64_t b = t / M, h = t % M;
+    const float* qh = q_data + b * qb + h * qh_;
+    float* tokens = queries_of(t);
+    for (int64_t iy = 0; iy < gh; ++iy) {  // adaptive average pooling windows, as torch computes them
+      const int64_t y0 = iy * H / gh, y1 = ((iy + 1) * H + gh - 1) / gh;
+      for (int64_t ix = 0; ix < gw; ++ix) {
+        const int64_t x0 = ix * W / gw, x1 = ((ix + 1) * W + gw - 1) / gw;
+        std::fill(pooled, pooled + d, 0.f);
+        for (int64_t y = y0; y < y1; ++y) {
+          for (int64_t x = x0; x < x1; ++x) {
+            const float* row = qh + (P + y * W + x) * qr;
+            for (int64_t c = 0; c < d; ++c) pooled[c] += row[c];
           }
         }
-      }
-      for (int64_t j = 0; j < P_exact; ++j) {
-        for (int64_t c = 0; c < d; ++c)
-          tokens[(2 * n + j) * d + c] = qh[j * qr + c] + (q_shift != nullptr ? q_shift[h * d + c] : 0.f);
-      }
-
-      float* running_max = stats;
-      float* running_sum = stats + R;
-      std::fill(running_max, running_max + R, -std::numeric_limits<float>::infinity());
-      std::fill(running_sum, running_sum + R, 0.f);
-      std::fill(u, u + R * d, 0.f);
-      for (int64_t k0 = 0; k0 < N; k0 += kv_block) {
-        const int64_t len = std::min(kv_block, N - k0);
-        gemm_rows(true, R, len, d, s, tokens, d, kh + k0 * kr, kr, 0.f, logits, len);
-        for (int64_t r = 0; r < R; ++r) {
-          float* row = logits + r * len;
-          const float new_max = std::max(running_max[r], row_max(row, len));
-          const float correction = std::exp(running_max[r] - new_max);  // 0 on the first block
-          running_sum[r] = running_sum[r] * correction + exp_sum_(row, len, new_max);
-          running_max[r] = new_max;
-          if (k0 > 0) scale_(u + r * d, correction, d);
+        const float inv_count = 1.f / static_cast<float>((y1 - y0) * (x1 - x0));
+        const int64_t i = iy * gw + ix;
+        const float* ep = e_pos + i * C + h * d;
+        const float* en = e_neg + i * C + h * d;
+        for (int64_t c = 0; c < d; ++c) {
+          const float mean = pooled[c] * inv_count + (q_shift != nullptr ? q_shift[h * d + c] : 0.f);
+          tokens[i * d + c] = mean + ep[c];
+          tokens[(n + i) * d + c] = mean + en[c];
         }
-        gemm_rows(false, R, d, len, 1.f, logits, len, vh + k0 * vr, vr, 1.f, u, d);
       }
-      for (int64_t r = 0; r < R; ++r) {  // softmax rows sum to 1: P·(v + 1·bᵀ) = P·v + b
-        const float inv_sum = 1.f / running_sum[r];
-        float* row = u + r * d;
-        for (int64_t c = 0; c < d; ++c) row[c] = row[c] * inv_sum + (v_shift != nullptr ? v_shift[h * d + c] : 0.f);
-      }
-
-      for (int64_t j = 0; j < P_exact; ++j)  // exact read-out: the prefix rows are final (no norm, no conv)
-        std::copy(u + (2 * n + j) * d, u + (2 * n + j + 1) * d, o_data + (b * N + j) * C + h * d);
-      float* val = values + t * 2 * n * d;
-      for (int64_t i = 0; i < n; ++i) {
-        const float* up = u + i * d;
-        const float* un = u + (n + i) * d;
-        float* v_hat = val + i * d;
-        for (int64_t c = 0; c < d; ++c) v_hat[c] = up[c] - l1 * un[c];
-        normalise_add_taps_(v_hat, 1.f, w1, static_cast<float>(eps1), d, nullptr, nullptr, nullptr, 0, nullptr);
-        float* v_neg = val + (n + i) * d;
-        for (int64_t c = 0; c < d; ++c) v_neg[c] = -l2 * v_hat[c];
-      }
-      std::copy(tokens, tokens + 2 * n * d, keys + t * 2 * n * d);
     }
-  });
+    for (int64_t j = 0; j < P_exact; ++j) {
+      for (int64_t c = 0; c < d; ++c)
+        tokens[(2 * n + j) * d + c] = qh[j * qr + c] + (q_shift != nullptr ? q_shift[h * d + c] : 0.f);
+    }
+  };
+
+  // Stage I partial of (image, head, key chunk) `task`: key blocks with an online softmax.
+  const auto read_chunk = [&](int64_t task) {
+    float* logits = scratch(1, R * kKeyBlock);
+    const int64_t t = task / chunks, b = t / M, h = t % M;
+    const float* kh = k_data + b * kb + h * kh_;
+    const float* vh = v_data + b * vb + h * vh_;
+    const float* tokens = queries_of(t);
+    float* u = partial_of(task);  // [R, d] Σ exp·v
+    float* running_max = u + R * d;
+    float* running_sum = running_max + R;
+    std::fill(running_max, running_max + R, -std::numeric_limits<float>::infinity());
+    std::fill(running_sum, running_sum + R, 0.f);
+    std::fill(u, u + R * d, 0.f);
+    const int64_t k_end = std::min(N, (task % chunks + 1) * chunk_keys);
+    for (int64_t k0 = (task % chunks) * chunk_keys; k0 < k_end; k0 += kKeyBlock) {
+      const int64_t len = std::min(kKeyBlock, k_end - k0);
+      gemm_rows(true, R, len, d, s, tokens, d, kh + k0 * kr, kr, 0.f, logits, len);
+      for (int64_t r = 0; r < R; ++r) {
+        float* row = logits + r * len;
+        const float new_max = std::max(running_max[r], row_max(row, len));
+        const float correction = std::exp(running_max[r] - new_max);  // 0 on the first block
+        running_sum[r] = running_sum[r] * correction + exp_sum_(row, len, new_max);
+        running_max[r] = new_max;
+        if (correction != 1.f) scale_(u + r * d, correction, d);
+      }
+      gemm_rows(false, R, d, len, 1.f, logits, len, vh + k0 * vr, vr, 1.f, u, d);
+    }
+  };
+
+  // Stage I output of (image, head) t: merge its chunks, then v̂ and the Stage-II keys and values.
+  const auto finish_head = [&](int64_t t) {
+    float* u = scratch(2, R * d + chunks);
+    float* weights = u + R * d;  // per chunk
+    const int64_t b = t / M, h = t % M;
+    const float* first = partial_of(t * chunks);  // the head's chunks, consecutive
+    for (int64_t r = 0; r < R; ++r) {  // softmax = Σ_c e^(m_c − m)·Σexp·v_c / Σ_c e^(m_c − m)·Σexp_c
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, first[c * partial + R * d + r]);
+      float total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* chunk = first + c * partial;
+        weights[c] = chunk[R * d + r] == -std::numeric_limits<float>::infinity()
+                         ? 0.f  // an empty chunk
+                         : std::exp(chunk[R * d + r] - m);
+        total += weights[c] * chunk[R * d + R + r];
+      }
+      float* row = u + r * d;
+      const float* part = first + r * d;
+      const float w0 = weights[0] / total;
+      for (int64_t i = 0; i < d; ++i) {  // softmax rows sum to 1: P·(v + 1·bᵀ) = P·v + b
+        row[i] = w0 * part[i] + (v_shift != nullptr ? v_shift[h * d + i] : 0.f);
+      }
+      for (int64_t c = 1; c < chunks; ++c) {
+        const float w = weights[c] / total;
+        part = first + c * partial + r * d;
+        for (int64_t i = 0; i < d; ++i) row[i] += w * part[i];
+      }
+    }
+    for (int64_t j = 0; j < P_exact; ++j)  // exact read-out: the prefix rows are final (no norm, no conv)
+      std::copy(u + (2 * n + j) * d, u + (2 * n + j + 1) * d, o_data + (b * N + j) * C + h * d);
+    float* val = values + t * 2 * n * d;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* up = u + i * d;
+      const float* un = u + (n + i) * d;
+      float* v_hat = val + i * d;
+      for (int64_t c = 0; c < d; ++c) v_hat[c] = up[c] - l1 * un[c];
+      normalise_add_taps_(v_hat, 1.f, w1, static_cast<float>(eps1), d, nullptr, nullptr, nullptr, 0, nullptr);
+      float* v_neg = val + (n + i) * d;
+      for (int64_t c = 0; c < d; ++c) v_neg[c] = -l2 * v_hat[c];
+    }
+    const float* tokens = queries_of(t);
+    std::copy(tokens, tokens + 2 * n * d, keys + t * 2 * n * d);
+  };
+
+  if (chunks == 1) {  // one parallel region: a task per (image, head)
+    at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        build_queries(t);
+        read_chunk(t);
+        finish_head(t);
+      }
+    });
+  } else {
+    at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) build_queries(t);
+    });
+    at::parallel_for(0, heads * chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) read_chunk(task);
+    });
+    at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) finish_head(t);
+    });
+  }
 
   // Stage II with RMSNorm₂ and the depthwise conv, per (image, head, block of query rows).
-  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+  const int64_t row_block = std::clamp<int64_t>((N * heads + 2 * threads - 1) / (2 * threads), 32, kRowBlock);
+  const int64_t blocks = (N + row_block - 1) / row_block;
   at::parallel_for(0, B * M * blocks, 1, [&](int64_t begin, int64_t end) {
     float* logits = scratch(1, kRowBlock * 2 * n);
     float* row_scale = scratch(3, kRowBlock + 2 * n + d);
@@ -298,7 +359,7 @@ at::Tensor attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     const float* tap_src[9];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / blocks, block = task % blocks, b = t / M, h = t % M;
-      const int64_t r0 = std::max(block * kRowBlock, P_exact), r1 = std::min((block + 1) * kRowBlock, N);
+      const int64_t r0 = std::max(block * row_block, P_exact), r1 = std::min((block + 1) * row_block, N);
       if (r0 >= r1) continue;
       const int64_t rows = r1 - r0;
       const float alpha = s * (tau != nullptr ? tau[h] : 1.f);  // s·τ·q·tᵀ
