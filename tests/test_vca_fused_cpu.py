@@ -174,3 +174,15 @@ def test_op_rejects_bad_inputs_clearly():
         fused_cpu.attend_cpu(q, q, q, 0, 2, 3, None, None, *arguments)  # 5 tokens are not 2·3
     with pytest.raises(RuntimeError, match="float32 CPU tensor"):
         fused_cpu.attend_cpu(q.double(), q, q, 1, 2, 2, None, None, *arguments)
+
+
+@pytest.mark.parametrize(
+    "log, reason",
+    [
+        ("FAILED: x.o\n/bin/sh: 1: c++: not found\nninja: build stopped", "/bin/sh: 1: c++: not found"),
+        ("x.cpp:3:10: fatal error: ATen/ATen.h: No such file\nninja: build stopped", "x.cpp:3:10: fatal error: ATen"),
+        ("undefined symbol: sgemm_", "undefined symbol: sgemm_"),
+    ],
+)
+def test_build_failure_reason_is_the_line_that_says_why(log, reason):
+    assert fused_cpu._reason(RuntimeError(log)).startswith(f"RuntimeError: {reason}")

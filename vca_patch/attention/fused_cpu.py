@@ -61,9 +61,9 @@ def _fake_attend(q: torch.Tensor, *args: object) -> torch.Tensor:
 
 
 def _reason(error: Exception) -> str:
-    """The line that says why: a compiler's `error:` line when there is one, else the exception's last line."""
+    """The line that says why: a compiler's `error:` line, or a missing program's, else the exception's last line."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-    cause = next((line for line in lines if "error:" in line), lines[-1])
+    cause = next((line for line in lines if "error:" in line or "not found" in line), lines[-1])
     return f"{type(error).__name__}: {cause[:300]}"
 
 
