@@ -12,6 +12,10 @@ Prefix tokens (CLS, distillation, registers) are keys in Stage I and queries in 
 never pooled and get no DWC term. Stage II uses one softmax over the 2n stacked tokens ("joint",
 the official code) or two separate softmaxes ("separate", the paper text). This module knows
 nothing about model libraries: adapters hand it q/k/v/proj and the token layout.
+
+Two paths compute the same function: float32 inference on CPU runs everything between the projections
+as one fused op (`fused_cpu`, `attend_fused`); training, GPUs, bf16/fp16 and machines without a C++
+compiler run the composite path (`attend`: two SDPA calls and a few small ops).
 """
 
 from __future__ import annotations
