@@ -36,6 +36,8 @@ CASES = [  # batch, prefix, grid, channels, heads, contrast grid
     (2, 0, (5, 8), 24, 3, (2, 3)),  # head width 8: below one vector
     (2, 3, (17, 11), 40, 2, (3, 2)),  # head width 20: a masked tail; uneven, overlapping pooling windows
     (1, 1, (36, 30), 64, 4, (7, 7)),  # 1081 tokens: three Stage-I key blocks (online softmax)
+    (3, 1, (2, 3), 16, 2, (3, 3)),  # more contrast tokens than patches (windows repeat), no interior row
+    (2, 0, (1, 1), 8, 1, (1, 1)),  # a single patch
 ]
 OPTIONS = [
     {},
