@@ -1,6 +1,7 @@
 """VCA's fused CPU kernel: the same function as the float64 reference and the composite path, used only where
 it applies, rebuilt constants after parameter updates, and a clean fallback when it cannot be built."""
 
+import os
 import warnings
 
 import pytest
@@ -11,6 +12,8 @@ from tests.test_vca_attention import _randomised
 from vca_patch.attention import TokenLayout, VisualContrastAttention, fused_cpu
 from vca_patch.attention.fused_qkv import SplitQKV
 
+if os.environ.get("VCA_PATCH_REQUIRE_CPU_KERNEL") == "1" and not fused_cpu.kernel_available():  # `make test` sets it
+    raise RuntimeError(f"VCA_PATCH_REQUIRE_CPU_KERNEL=1, but the kernel is unavailable: {fused_cpu.kernel_status()}")
 pytestmark = pytest.mark.skipif(not fused_cpu.kernel_available(), reason=f"kernel: {fused_cpu.kernel_status()}")
 
 
