@@ -10,7 +10,7 @@ import torch
 from tests.reference_vca import reference_vca
 from tests.test_vca_attention import _randomised
 from vca_patch.attention import TokenLayout, VisualContrastAttention, fused_cpu
-from vca_patch.attention.fused_qkv import SplitQKV
+from vca_patch.attention.fused_qkv import QKVWithSeparateBias, SplitQKV
 
 if os.environ.get("VCA_PATCH_REQUIRE_CPU_KERNEL") == "1" and not fused_cpu.kernel_available():  # `make test` sets it
     raise RuntimeError(f"VCA_PATCH_REQUIRE_CPU_KERNEL=1, but the kernel is unavailable: {fused_cpu.kernel_status()}")
@@ -127,20 +127,22 @@ def test_split_projections_and_q_norm_take_the_kernel_too():
     x, layout = torch.randn(2, 25, dim), TokenLayout(0, grid)
     linears = [torch.nn.Linear(dim, dim, bias=bias) for bias in (True, False, True)]  # BEiT-style: no k bias
     split = _randomised(VisualContrastAttention(dim, heads, contrast_grid=(2, 2), qkv=SplitQKV(*linears)))
+    separate_bias = QKVWithSeparateBias(torch.nn.Linear(dim, 3 * dim, bias=False), *torch.randn(2, dim).unbind())
+    beit = _randomised(VisualContrastAttention(dim, heads, contrast_grid=(2, 2), qkv=separate_bias))
     normed = _randomised(VisualContrastAttention(dim, heads, contrast_grid=(2, 2)))
     normed.q_norm = torch.nn.LayerNorm(dim // heads)  # a copy in another layout: biases are not folded
     normed.k_norm = torch.nn.LayerNorm(dim // heads)
-    for module in (split, normed):
+    for module in (split, beit, normed):
         with torch.no_grad():
-            composite = module.attend(x, *_normless_qkv(module, x), layout)
+            composite = module.attend(x, *_fused_module_qkv(module, x), layout)
             got, calls = _calls_kernel(module, x, layout)
         assert calls == 1
         torch.testing.assert_close(got, composite, rtol=1e-5, atol=1e-5)
 
 
-def _normless_qkv(module: VisualContrastAttention, x: torch.Tensor):
-    with fused_cpu.use_kernel(False):
-        return module.project_qkv(x)
+def _fused_module_qkv(module: VisualContrastAttention, x: torch.Tensor):
+    """q, k, v per head from the projection module's own forward (not the split the layer makes of it)."""
+    return module.qkv(x).view(*x.shape[:2], 3, module.num_heads, module.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
 
 
 def test_a_failed_build_warns_once_and_falls_back(monkeypatch):

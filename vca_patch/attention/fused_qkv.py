@@ -36,9 +36,9 @@ class SplitQKV(nn.Module):
             return None
         return torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections])
 
-    def query_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight, bias) of the q part alone."""
-        return self.q_proj.weight, self.q_proj.bias
+    def projections(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) of q, k and v."""
+        return [(p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., C_in] -> [..., 3·C_out]."""
@@ -66,20 +66,31 @@ class QKVWithSeparateBias(nn.Module):
             return None
         return torch.cat([self.q_bias, torch.zeros_like(self.q_bias), self.v_bias])
 
-    def query_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight, bias) of the q part alone."""
-        return self.qkv.weight[: self.out_features // 3], self.q_bias
+    def projections(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) of q, k and v (views of the fused weight; k has no bias)."""
+        w_q, w_k, w_v = self.qkv.weight.split(self.out_features // 3)
+        if self.q_bias is None:  # as `bias`: no q bias, no bias at all
+            return [(w_q, None), (w_k, None), (w_v, None)]
+        return [(w_q, self.q_bias), (w_k, None), (w_v, self.v_bias)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., C_in] -> [..., 3·C_out]."""
         return F.linear(x, self.qkv.weight, self.bias)
 
 
-def query_projection(qkv: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, bias) that compute q alone from a fused qkv projection, or None for an unknown module."""
+def qkv_projections(qkv: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+    """(weight, bias) of q, k and v that compute what a fused qkv projection does, split along its output;
+    None for an unknown module."""
     if isinstance(qkv, (SplitQKV, QKVWithSeparateBias)):
-        return qkv.query_projection()
+        return qkv.projections()
     if isinstance(qkv, nn.Linear):
         width = qkv.out_features // 3
-        return qkv.weight[:width], None if qkv.bias is None else qkv.bias[:width]
+        biases = (None,) * 3 if qkv.bias is None else qkv.bias.split(width)
+        return list(zip(qkv.weight.split(width), biases, strict=True))
     return None
+
+
+def query_projection(qkv: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) that compute q alone from a fused qkv projection, or None for an unknown module."""
+    projections = qkv_projections(qkv)
+    return None if projections is None else projections[0]

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from . import fused_cpu
 from .carried import CarriedAttentionLayer
 from .differential_lambda import DifferentialLambda, lambda_init_for_depth
-from .fused_qkv import SplitQKV, query_projection
+from .fused_qkv import QKVWithSeparateBias, SplitQKV, qkv_projections, query_projection
 from .grid_pool import adaptive_avg_pool_tokens
 from .layout import TokenLayout, resolve_layout
 from .local_conv import add_conv_
@@ -171,7 +171,7 @@ class VisualContrastAttention(CarriedAttentionLayer):
         self.dwc = nn.Conv2d(attn_dim, attn_dim, 3, padding=1, groups=attn_dim, **dd)
         self.stage2_temperature = nn.Parameter(torch.ones(num_heads, **dd)) if stage2_temperature else None
         self._kernel_arguments: tuple[tuple, tuple] | None = None  # (parameter versions, fused-kernel arguments)
-        self._qkv_split: tuple[tuple, list] | None = None  # (weight/bias addresses, [(weight, bias)] of q, k, v)
+        self._qkv_split: tuple[tuple, list] | None = None  # (parameter addresses, [(weight, bias)] of q, k, v)
         self.reset_vca_parameters("preserve")
 
     @torch.no_grad()
@@ -225,25 +225,21 @@ class VisualContrastAttention(CarriedAttentionLayer):
         return tokens.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
 
     def _qkv_parts(self) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
-        """(weight, bias) of q, k and v when the projection is plain Linear layers without hooks, else None."""
+        """(weight, bias) of q, k and v (`qkv_projections`) when the projection is a known fused module of plain
+        Linear layers without hooks, else None. Cached: the parts are views, so in-place updates show through."""
         qkv = self.qkv
-        if isinstance(qkv, SplitQKV):
-            linears = (qkv.q_proj, qkv.k_proj, qkv.v_proj)
-            if all(type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) for m in linears):
-                return [(m.weight, m.bias) for m in linears]
-            return None
-        if type(qkv) is not nn.Linear or qkv._forward_hooks or qkv._forward_pre_hooks:
+        modules = list(qkv.modules())
+        known = type(qkv) in (nn.Linear, SplitQKV, QKVWithSeparateBias) and all(
+            type(m) is nn.Linear for m in modules[1:]
+        )
+        if not known or any(m._forward_hooks or m._forward_pre_hooks for m in modules):
             return None
         if torch.compiler.is_compiling():  # traced once: no cache (and no data_ptr) needed
-            return self._split_fused(qkv)
-        key = (qkv.weight.data_ptr(), None if qkv.bias is None else qkv.bias.data_ptr())
-        if self._qkv_split is None or self._qkv_split[0] != key:  # views: in-place updates show through
-            self._qkv_split = (key, self._split_fused(qkv))
+            return qkv_projections(qkv)
+        key = tuple(p.data_ptr() for p in qkv.parameters())
+        if self._qkv_split is None or self._qkv_split[0] != key:
+            self._qkv_split = (key, qkv_projections(qkv))
         return self._qkv_split[1]
-
-    def _split_fused(self, qkv: nn.Linear) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        biases = (None,) * 3 if qkv.bias is None else qkv.bias.split(self.attn_dim)
-        return list(zip(qkv.weight.split(self.attn_dim), biases, strict=True))
 
     def pooled_queries(self, x: torch.Tensor, q: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """t̃ = avgpool_{h×w}(q[patches]) at full width: [B, n, C].
