@@ -67,10 +67,14 @@ def _reason(error: Exception) -> str:
     return f"{type(error).__name__}: {cause[:300]}"
 
 
+def _disabled() -> bool:
+    return _state["override"] is False or os.environ.get(ENV_SWITCH, "1") == "0"
+
+
 @torch.compiler.assume_constant_result  # traced as a constant: no guard on the environment, no graph break
 def kernel_available() -> bool:
     """Whether the kernel is (or can now be) loaded; compiles it on the first call. Never raises."""
-    if _state["override"] is False or os.environ.get(ENV_SWITCH, "1") == "0":
+    if _disabled():
         return False
     if _state["loaded"]:
         return True
@@ -93,7 +97,7 @@ def kernel_available() -> bool:
 
 def kernel_status() -> str:
     """One line for reports: "fused", "composite (disabled)" or "composite (<why>)". Does not build."""
-    if _state["override"] is False or os.environ.get(ENV_SWITCH, "1") == "0":
+    if _disabled():
         return "composite (disabled)"
     if _state["loaded"]:
         return "fused"
