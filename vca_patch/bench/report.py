@@ -17,7 +17,7 @@ def _kernel_note(meta: dict[str, Any]) -> str:
     """Which VCA path a CPU float32 run timed: the fused kernel or, and why, the composite one."""
     status = meta.get("vca_cpu_kernel")
     settings = meta["settings"]
-    if status is None or settings["device"] != "cpu" or settings["dtype"] != "float32" or settings.get("compile"):
+    if status is None or settings["device"] != "cpu" or settings["dtype"] != "float32":  # compiled too: one op
         return ""
     return " · VCA fused CPU kernel" if status == "fused" else f" · VCA {status}"
 
