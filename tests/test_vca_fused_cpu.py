@@ -18,19 +18,25 @@ pytestmark = pytest.mark.skipif(not fused_cpu.kernel_available(), reason=f"kerne
 
 
 def _calls_kernel(module: torch.nn.Module, x: torch.Tensor, layout: TokenLayout) -> tuple[torch.Tensor, int]:
-    """module(x) and how many times the fused op ran (counted through a wrapper on `fused_cpu.attend_cpu`)."""
+    """module(x) and how many times the fused op ran (counted through wrappers on both of `fused_cpu`'s entries:
+    `attend_cpu` and `attend_cpu_into_q`)."""
     calls = []
-    original = fused_cpu.attend_cpu
+    originals = {name: getattr(fused_cpu, name) for name in ("attend_cpu", "attend_cpu_into_q")}
 
-    def counting(*args):
-        calls.append(args)
-        return original(*args)
+    def counting(original):
+        def run(*args):
+            calls.append(args)
+            return original(*args)
 
-    fused_cpu.attend_cpu = counting
+        return run
+
+    for name, original in originals.items():
+        setattr(fused_cpu, name, counting(original))
     try:
         out = module(x, layout=layout)
     finally:
-        fused_cpu.attend_cpu = original
+        for name, original in originals.items():
+            setattr(fused_cpu, name, original)
     return out, len(calls)
 
 
@@ -181,6 +187,48 @@ def test_op_rejects_bad_inputs_clearly():
         fused_cpu.attend_cpu(q, q, q, 0, 2, 3, None, None, *arguments)  # 5 tokens are not 2·3
     with pytest.raises(RuntimeError, match="float32 CPU tensor"):
         fused_cpu.attend_cpu(q.double(), q, q, 1, 2, 2, None, None, *arguments)
+    tokens = torch.randn(1, 6, 16)  # a [B, N, C] buffer and its head view, as a q projection returns
+    heads = tokens.view(1, 6, 2, 8).transpose(1, 2)
+    k = torch.randn(1, 2, 6, 8)
+    with pytest.raises(RuntimeError, match="its own dense"):  # a view into a wider buffer (a fused qkv)
+        fused_cpu.attend_cpu_into_q(tokens, heads[:, :, 1:], k, k, 1, 2, 2, None, None, *arguments)
+    with pytest.raises(RuntimeError, match="must not share memory"):
+        fused_cpu.attend_cpu_into_q(tokens, heads, heads, k, 0, 2, 3, None, None, *arguments)
+
+
+def test_op_over_q_is_the_functional_op_in_q_buffer():
+    """o written over q (read before written, per head and row block) equals the op that allocates o, with the
+    exact prefix read-out (rows written in Stage I) and with a head's keys split across threads."""
+    torch.manual_seed(0)
+    module = _randomised(VisualContrastAttention(32, 2, contrast_grid=(3, 3), prefix_readout="exact"))
+    tokens, k, v = (torch.randn(1, 1 + 46 * 46, 32) for _ in range(3))  # q's buffer must be its own
+    heads = [t.view(1, -1, 2, 16).transpose(1, 2) for t in (tokens, k, v)]
+    args = (*heads[1:], 1, 46, 46, torch.randn(32), torch.randn(32), *module.kernel_arguments())
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # 2 heads < 2·threads: the keys are split (three parallel regions)
+    try:
+        expected = fused_cpu.attend_cpu(heads[0].clone(), *args)
+        out = fused_cpu.attend_cpu_into_q(tokens, heads[0], *args)
+    finally:
+        torch.set_num_threads(previous)
+    assert out.data_ptr() == tokens.data_ptr()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_fused_layer_allocates_only_q_k_and_v():
+    """Eager inference: o goes into q's buffer and proj's output into k's, so the layer's tensors peak at q, k, v
+    (the composite path and the functional op would add o and the output: five [B, N, C] tensors)."""
+    from vca_patch.bench.memory import LiveTensorBytes
+
+    module = _randomised(VisualContrastAttention(64, 4, contrast_grid=(4, 4))).eval()
+    x = torch.randn(2, 1 + 32 * 32, 64)
+    unit = x.numel() * x.element_size()
+    with torch.inference_mode():
+        module(x, layout=TokenLayout(1, (32, 32)))  # the cached kernel arguments are not per-call memory
+        with LiveTensorBytes() as tracker:
+            out = module(x, layout=TokenLayout(1, (32, 32)))
+    assert out.shape == x.shape
+    assert 3 * unit <= tracker.peak < 3.2 * unit
 
 
 @pytest.mark.parametrize(

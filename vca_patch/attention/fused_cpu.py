@@ -4,7 +4,8 @@ as one op for float32 inference.
 On short sequences the composite path is ~25 small ATen calls per layer, each paying a cold dispatch (2-3x
 its hot time); the kernel runs them as one parallel region and makes VCA as fast as softmax attention at
 224 px. It is compiled on first use with torch's C++ extension loader (a C++ compiler and ninja; 10–30 s,
-once, cached under TORCH_EXTENSIONS_DIR) and registered as `torch.ops.vca_patch.attend_cpu`. Without a
+once, cached under TORCH_EXTENSIONS_DIR) and registered as `torch.ops.vca_patch.attend_cpu` (and
+`attend_cpu_into_q`, the same with o written over q's dead buffer, for eager inference). Without a
 compiler, or with VCA_PATCH_CPU_KERNEL=0, VCA keeps its composite path (same numbers, slower on small grids).
 """
 
@@ -52,12 +53,17 @@ def _build() -> None:
     )
     if not _state["fake_registered"]:  # shapes for torch.compile: the op is an opaque call in a traced graph
         torch.library.register_fake("vca_patch::attend_cpu")(_fake_attend)
+        torch.library.register_fake("vca_patch::attend_cpu_into_q")(_fake_attend_into_q)
         _state["fake_registered"] = True
 
 
 def _fake_attend(q: torch.Tensor, *args: object) -> torch.Tensor:
     batch, heads, tokens, head_dim = q.shape
     return q.new_empty(batch, tokens, heads * head_dim)
+
+
+def _fake_attend_into_q(q: torch.Tensor, *args: object) -> None:
+    return None
 
 
 def _reason(error: Exception) -> str:
@@ -118,3 +124,10 @@ def use_kernel(enabled: bool) -> Iterator[None]:
 def attend_cpu(*args: object) -> torch.Tensor:
     """torch.ops.vca_patch.attend_cpu (see the C++ source for the arguments); call `kernel_available()` first."""
     return torch.ops.vca_patch.attend_cpu(*args)
+
+
+def attend_cpu_into_q(q_tokens: torch.Tensor, q: torch.Tensor, *args: object) -> torch.Tensor:
+    """`attend_cpu` with o written over q, whose dense [B, N, C] buffer `q_tokens` then holds o and is returned;
+    q is its [B, M, N, d] head view. For eager inference, where q is dead after the op: one fresh tensor less."""
+    torch.ops.vca_patch.attend_cpu_into_q(q, *args)
+    return q_tokens

@@ -298,15 +298,17 @@ class VisualContrastAttention(CarriedAttentionLayer):
         between the projections. With plain q/k norms the q and v biases are folded into the kernel (the k bias
         cancels in every softmax), which spares the GEMMs' bias copies."""
         parts = self._qkv_parts()
+        P, (H, W) = layout.num_prefix_tokens, layout.grid
         if parts is not None and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
             (w_q, q_bias), (w_k, _), (w_v, v_bias) = parts
-            q, k, v = (self._heads(F.linear(x, weight)) for weight in (w_q, w_k, w_v))
-        else:
-            q, k, v = self.project_qkv(x)
-            q, k = self.q_norm(q), self.k_norm(k)
-            q_bias = v_bias = None
-        P, (H, W) = layout.num_prefix_tokens, layout.grid
-        o = fused_cpu.attend_cpu(q, k, v, P, H, W, q_bias, v_bias, *self.kernel_arguments())
+            q, k, v = (F.linear(x, weight) for weight in (w_q, w_k, w_v))  # [B, N, C] each
+            args = (self._heads(k), self._heads(v), P, H, W, q_bias, v_bias, *self.kernel_arguments())
+            if not torch.compiler.is_compiling():  # eager: o over q's buffer, the output in k's (both dead)
+                o = fused_cpu.attend_cpu_into_q(q, self._heads(q), *args)
+                return self.project_out(x, o, into=k)
+            return self.project_out(x, fused_cpu.attend_cpu(self._heads(q), *args))  # one functional op traced
+        q, k, v = self.project_qkv(x)
+        o = fused_cpu.attend_cpu(self.q_norm(q), self.k_norm(k), v, P, H, W, None, None, *self.kernel_arguments())
         return self.project_out(x, o)
 
     def kernel_arguments(self) -> tuple:
@@ -407,12 +409,29 @@ class VisualContrastAttention(CarriedAttentionLayer):
 
         return self.project_out(x, o)
 
-    def project_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """The carried output path: o [B, N, attn_dim] -> proj(gate(norm(o))) [B, N, dim_out]."""
+    def project_out(self, x: torch.Tensor, o: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The carried output path: o [B, N, attn_dim] -> proj(gate(norm(o))) [B, N, dim_out]. `into`: a dense
+        buffer of the caller's, dead after this call, that receives the projection when it fits (see `_project`)."""
         o = self.norm(o)
         if self.gate is not None:
             o = o * self.gate(x).sigmoid()
-        return self.proj_drop(self.proj(o))
+        return self.proj_drop(self._project(o, into))
+
+    def _project(self, o: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+        """proj(o), written into `into` (no fresh tensor) when proj is a plain Linear without hooks whose output
+        has into's size and dtype; else proj(o) as it is."""
+        proj = self.proj
+        rows = o.numel() // o.shape[-1]
+        plain = type(proj) is nn.Linear and not (proj._forward_hooks or proj._forward_pre_hooks)
+        if into is None or not plain or into.numel() != rows * proj.out_features or into.dtype != o.dtype:
+            return proj(o)
+        out = into.view(rows, proj.out_features)
+        o_rows = o.reshape(rows, o.shape[-1])
+        if proj.bias is None:
+            torch.mm(o_rows, proj.weight.t(), out=out)
+        else:
+            torch.addmm(proj.bias, o_rows, proj.weight.t(), out=out)
+        return out.view(*o.shape[:-1], proj.out_features)
 
     @torch.no_grad()
     def lambdas(self) -> tuple[float, float]:

@@ -155,14 +155,15 @@ void check_vector(const at::Tensor& t, int64_t numel, const char* name) {
 // N = num_prefix + H·W tokens. q_bias, v_bias: [C] biases not yet added to q and v (a k bias needs no adding:
 // every softmax over keys is shift-invariant per row; the caller drops it). The rest are the layer's constants:
 // embed_pos/neg [n, C]; temperature [M] or None; lambda1/2 0-d; norm weights [d], already scaled by (1 − λ_init);
-// dwc_taps [9, C] (tap-major depthwise weights); dwc_bias [C]. Returns o [B, N, C], the input of `proj`.
-at::Tensor attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_prefix, int64_t H,
-                      int64_t W, const std::optional<at::Tensor>& q_bias, const std::optional<at::Tensor>& v_bias,
-                      const at::Tensor& embed_pos, const at::Tensor& embed_neg,
-                      const std::optional<at::Tensor>& temperature, const at::Tensor& lambda1,
-                      const at::Tensor& lambda2, const at::Tensor& norm1_weight, const at::Tensor& norm2_weight,
-                      double eps1, double eps2, double scale, bool exact_prefix, bool joint, int64_t gh, int64_t gw,
-                      const at::Tensor& dwc_taps, const at::Tensor& dwc_bias) {
+// dwc_taps [9, C] (tap-major depthwise weights); dwc_bias [C]. Writes o [B, N, C], the input of `proj`, to `out`,
+// which may be q's own buffer: every task reads its q rows (pooling, prefix, Stage-II block) before it writes the
+// same rows of o, and no task reads rows another one writes.
+void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_prefix, int64_t H,
+                 int64_t W, const std::optional<at::Tensor>& q_bias, const std::optional<at::Tensor>& v_bias,
+                 const at::Tensor& embed_pos, const at::Tensor& embed_neg, const std::optional<at::Tensor>& temperature,
+                 const at::Tensor& lambda1, const at::Tensor& lambda2, const at::Tensor& norm1_weight,
+                 const at::Tensor& norm2_weight, double eps1, double eps2, double scale, bool exact_prefix, bool joint,
+                 int64_t gh, int64_t gw, const at::Tensor& dwc_taps, const at::Tensor& dwc_bias, at::Tensor& out) {
   check_heads(q, "q");
   check_heads(k, "k");
   check_heads(v, "v");
@@ -199,7 +200,6 @@ at::Tensor attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   TORCH_CHECK(lambda1.numel() == 1 && lambda2.numel() == 1, "lambda1 and lambda2 must be scalars");
   const float l1 = lambda1.item<float>(), l2 = lambda2.item<float>(), s = static_cast<float>(scale);
 
-  at::Tensor out = at::empty({B, N, C}, q.options());
   float* o_data = out.data_ptr<float>();
   // Stage I reads every key once per (image, head); when there are fewer of those than twice the threads, each
   // head's keys are split into chunks whose partial softmax sums are merged afterwards (as flash-decoding does).
@@ -450,7 +450,41 @@ at::Tensor attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       }
     }
   });
+}
+
+at::Tensor attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_prefix, int64_t H,
+                      int64_t W, const std::optional<at::Tensor>& q_bias, const std::optional<at::Tensor>& v_bias,
+                      const at::Tensor& embed_pos, const at::Tensor& embed_neg,
+                      const std::optional<at::Tensor>& temperature, const at::Tensor& lambda1,
+                      const at::Tensor& lambda2, const at::Tensor& norm1_weight, const at::Tensor& norm2_weight,
+                      double eps1, double eps2, double scale, bool exact_prefix, bool joint, int64_t gh, int64_t gw,
+                      const at::Tensor& dwc_taps, const at::Tensor& dwc_bias) {
+  check_heads(q, "q");
+  at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1) * q.size(3)}, q.options());
+  attend_into(q, k, v, num_prefix, H, W, q_bias, v_bias, embed_pos, embed_neg, temperature, lambda1, lambda2,
+              norm1_weight, norm2_weight, eps1, eps2, scale, exact_prefix, joint, gh, gw, dwc_taps, dwc_bias, out);
   return out;
+}
+
+// The same, with o written over q: q must be the head view [B, M, N, d] of its own dense [B, N, C] buffer (what
+// a q projection returns), sharing no memory with k or v; that buffer then holds o [B, N, C]. Spares a fresh
+// [B, N, C] tensor per layer (at 16k tokens, 25 MiB of pages to fault in).
+void attend_cpu_into_q(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_prefix, int64_t H,
+                       int64_t W, const std::optional<at::Tensor>& q_bias, const std::optional<at::Tensor>& v_bias,
+                       const at::Tensor& embed_pos, const at::Tensor& embed_neg,
+                       const std::optional<at::Tensor>& temperature, const at::Tensor& lambda1,
+                       const at::Tensor& lambda2, const at::Tensor& norm1_weight, const at::Tensor& norm2_weight,
+                       double eps1, double eps2, double scale, bool exact_prefix, bool joint, int64_t gh, int64_t gw,
+                       const at::Tensor& dwc_taps, const at::Tensor& dwc_bias) {
+  check_heads(q, "q");
+  const int64_t B = q.size(0), M = q.size(1), N = q.size(2), d = q.size(3), C = M * d;
+  TORCH_CHECK(q.stride(0) == N * C && q.stride(1) == d && q.stride(2) == C && q.storage_offset() == 0 &&
+                  q.storage().nbytes() == static_cast<size_t>(B * N * C) * sizeof(float),
+              "attend_cpu_into_q: q must be the [B, M, N, d] head view of its own dense [B, N, C] buffer");
+  TORCH_CHECK(!q.is_alias_of(k) && !q.is_alias_of(v), "attend_cpu_into_q: q must not share memory with k or v");
+  at::Tensor out = q.as_strided({B, N, C}, {N * C, C, 1});
+  attend_into(q, k, v, num_prefix, H, W, q_bias, v_bias, embed_pos, embed_neg, temperature, lambda1, lambda2,
+              norm1_weight, norm2_weight, eps1, eps2, scale, exact_prefix, joint, gh, gw, dwc_taps, dwc_bias, out);
 }
 
 TORCH_LIBRARY(vca_patch, m) {
@@ -461,6 +495,15 @@ TORCH_LIBRARY(vca_patch, m) {
       "float eps2, float scale, bool exact_prefix, bool joint, int gh, int gw, Tensor dwc_taps, Tensor dwc_bias) "
       "-> Tensor",
       {at::Tag::needs_fixed_stride_order});  // under torch.compile, inputs keep their eager strides
+  m.def(
+      "attend_cpu_into_q(Tensor(a!) q, Tensor k, Tensor v, int num_prefix, int H, int W, Tensor? q_bias, "
+      "Tensor? v_bias, Tensor embed_pos, Tensor embed_neg, "
+      "Tensor? temperature, Tensor lambda1, Tensor lambda2, Tensor norm1_weight, Tensor norm2_weight, float eps1, "
+      "float eps2, float scale, bool exact_prefix, bool joint, int gh, int gw, Tensor dwc_taps, Tensor dwc_bias) "
+      "-> ()");
 }
 
-TORCH_LIBRARY_IMPL(vca_patch, CPU, m) { m.impl("attend_cpu", &attend_cpu); }
+TORCH_LIBRARY_IMPL(vca_patch, CPU, m) {
+  m.impl("attend_cpu", &attend_cpu);
+  m.impl("attend_cpu_into_q", &attend_cpu_into_q);
+}
