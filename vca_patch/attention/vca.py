@@ -67,13 +67,11 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, rstd, weight = ctx.saved_tensors
-        x_hat = x * rstd
-        grad_x_hat = grad * x_hat
+        grad_x_hat = (x * rstd).mul_(grad)  # g·x̂, the one [.., d] temporary
         grad_weight = grad_x_hat.flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
-        dot = (grad_x_hat @ weight).unsqueeze(-1).div_(-x.shape[-1])  # −mean(g·w·x̂) over d
-        del grad_x_hat
-        # rstd·(g·w − x̂·mean(g·w·x̂)), built in x_hat's buffer: two [.., d] temporaries at most.
-        grad_x = x_hat.mul_(dot).addcmul_(grad, weight).mul_(rstd)
+        dot = (grad_x_hat @ weight).unsqueeze(-1).mul_(rstd).div_(-x.shape[-1])  # −rstd·mean(g·w·x̂) over d
+        # rstd·(g·w − x̂·mean(g·w·x̂)) = rstd·g·w + x·rstd·(−rstd·mean(g·w·x̂)), in the temporary's buffer.
+        grad_x = torch.mul(grad, weight, out=grad_x_hat).addcmul_(x, dot).mul_(rstd)
         return grad_x.to(x.dtype), grad_weight, None
 
 
