@@ -63,6 +63,27 @@ def test_convert_random_weights_with_options(tmp_path):
     assert "4 / 8" in result.output and "skipped" in result.output
 
 
+def test_random_weights_follow_the_seed(tmp_path):
+    """The offline demo is reproducible: the same --seed gives the same random base model (and so the same
+    probe figures); another seed gives another model. The global RNG is left as it was."""
+    from safetensors.torch import load_file
+
+    def convert(name: str, seed: str) -> dict[str, torch.Tensor]:
+        out = tmp_path / name
+        args = ("convert", "deit_tiny_patch16_224", "--no-pretrained", "--layers", "0", "--output", str(out))
+        result = invoke(*args, "--seed", seed)
+        assert result.exit_code == 0, result.output
+        return load_file(str(out / "model.safetensors"))
+
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    first, again, other = convert("a", "0"), convert("b", "0"), convert("c", "1")
+    assert torch.equal(torch.rand(1), expected_next)
+    assert all(torch.equal(first[key], again[key]) for key in first)
+    assert not torch.equal(first["patch_embed.proj.weight"], other["patch_embed.proj.weight"])
+
+
 def test_offline_pretrained_fails_fast_and_names_the_alternatives(tmp_path):
     start = time.perf_counter()
     result = invoke("convert", "deit_tiny_patch16_224", "--output", str(tmp_path / "o"))

@@ -51,7 +51,9 @@ def convert(
     up: Annotated[str, typer.Option(help="MANO: conv or nearest")] = "conv",
     prefix: Annotated[str, typer.Option(help="MANO: prefix tokens global or separate")] = "global",
     probe_size: Annotated[int, typer.Option(help="Images in the probe batch that measures the change")] = 4,
-    seed: Annotated[int, typer.Option(help="Seed of the random parts of the init and of the probe batch")] = 0,
+    seed: Annotated[
+        int, typer.Option(help="Seed of random base weights, of the init's random parts and of the probe batch")
+    ] = 0,
     prefix_readout: Annotated[
         str, typer.Option(help="VCA: prefix tokens read all keys (exact) or only the contrast tokens (contrast, paper)")
     ] = "exact",
@@ -87,7 +89,9 @@ def convert(
     base_weights = "local file" if weights else ("pretrained" if pretrained else "random")
     with console.status(f"Building {model} ({base_weights} weights)..."):
         try:
-            net = load_base_model(model, pretrained=pretrained, weights=weights).eval()
+            with torch.random.fork_rng(devices=[]):  # random weights follow --seed: a reproducible offline demo
+                torch.manual_seed(seed)
+                net = load_base_model(model, pretrained=pretrained, weights=weights).eval()
         except (UnknownModelError, HubUnavailableError, WeightsMismatchError) as exc:
             fail(str(exc))
     probe = probe_batch(net, probe_size, seed)
