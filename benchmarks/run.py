@@ -145,7 +145,8 @@ def check(results: dict[str, dict], patch: dict | None) -> list[tuple[str, bool,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (the targets are for 2)")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds per resolution, at least")
+    parser.add_argument("--min-time", type=float, default=2.0, help="more rounds until each variant has this (s)")
     parser.add_argument("--quick", action="store_true", help="3 repeats, the 2-block model only")
     parser.add_argument("--full-2048", action="store_true", help="also the full DeiT-S at 2048 px")
     parser.add_argument("--hugepages", action="store_true", help="run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1")
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     for entry in suite:
         settings = BenchSettings(
             resolutions=list(entry.resolutions), batch=entry.batch, device=args.device, dtype=args.dtype,
-            repeats=entry.repeats or repeats, warmup=1, threads=args.threads, cpu_kernel=args.cpu_kernel,
+            repeats=entry.repeats or repeats, min_time=0.0 if args.smoke else args.min_time, warmup=1,
+            threads=args.threads, cpu_kernel=args.cpu_kernel,
         )  # fmt: skip
         results[entry.name] = sweep(entry, settings, args.results, suffix)
     patch = patch_time(args.results, suffix, repeats=1 if args.smoke else 3)

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from vca_patch.bench import (
     register_attention_macs,
     run_sweep,
     softmax_attention_macs,
+    time_interleaved,
     vca_attention_macs,
 )
 from vca_patch.bench.flops import ATTENTION_MACS
@@ -104,6 +106,29 @@ def test_crossover_interpolates_in_log_space():
 # --- variants ----------------------------------------------------------------------------------------
 
 
+def test_interleaved_timing_adds_rounds_up_to_a_time_budget():
+    calls: list[str] = []
+
+    def sleeper(name: str, seconds: float):
+        def run() -> None:
+            calls.append(name)
+            time.sleep(seconds)
+
+        return run
+
+    fns = {"fast": sleeper("fast", 0.001), "slow": sleeper("slow", 0.004)}
+    cpu = torch.device("cpu")
+    times = time_interleaved(fns, cpu, warmup=1, repeats=3)  # no budget: exactly `repeats` rounds
+    assert [len(t) for t in times.values()] == [3, 3]
+    assert calls[2:] == ["fast", "slow", "slow", "fast", "fast", "slow"]  # alternating order after the warm-up
+    times = time_interleaved(fns, cpu, warmup=0, repeats=3, min_time=0.03)
+    rounds = len(times["fast"])
+    assert rounds == len(times["slow"]) and sum(times["fast"]) >= 0.03  # the fast call sets the count
+    assert sum(times["fast"]) - times["fast"][-1] < 0.03  # and no round more than it needed
+    capped = time_interleaved(fns, cpu, warmup=0, repeats=2, min_time=10.0, max_rounds=4)
+    assert [len(t) for t in capped.values()] == [4, 4]
+
+
 def test_variants_share_weights_and_unfused_is_explicit():
     from timm.layers import use_fused_attn
 
@@ -174,7 +199,7 @@ def test_cli_bench_writes_json_and_plot(tmp_path):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     cmd = [
         sys.executable, "-m", "vca_patch", "bench", "vit_tiny_patch16_224", "--depth", "1",
-        "--resolutions", "32,64", "--repeats", "2", "--warmup", "0", "--threads", "2",
+        "--resolutions", "32,64", "--repeats", "2", "--min-time", "0", "--warmup", "0", "--threads", "2",
         "--json", str(out_json), "--plot", str(out_png),
     ]  # fmt: skip
     done = subprocess.run(cmd, env=_ENV, capture_output=True, text=True, timeout=120)
@@ -211,7 +236,7 @@ def test_cli_bench_times_the_composite_path_when_asked(tmp_path):
     out_json = tmp_path / "bench.json"
     cmd = [
         sys.executable, "-m", "vca_patch", "bench", "vit_tiny_patch16_224", "--depth", "1", "--resolutions", "32",
-        "--repeats", "1", "--warmup", "0", "--no-memory", "--no-unfused", "--no-cpu-kernel", "--json", str(out_json),
+        "--repeats", "1", "--min-time", "0", "--warmup", "0", "--no-memory", "--no-unfused", "--no-cpu-kernel", "--json", str(out_json),
     ]  # fmt: skip
     done = subprocess.run(cmd, env=_ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

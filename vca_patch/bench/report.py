@@ -22,12 +22,18 @@ def _kernel_note(meta: dict[str, Any]) -> str:
     return " · VCA fused CPU kernel" if status == "fused" else f" · VCA {status}"
 
 
+def _rounds(settings: dict[str, Any]) -> str:
+    """The title's count of timed runs: `repeats`, or "≥ repeats runs, ≥ min_time s each" with a time budget."""
+    min_time = settings.get("min_time", 0.0)
+    return f"≥ {settings['repeats']} runs, ≥ {min_time:g} s each" if min_time else str(settings["repeats"])
+
+
 def results_table(result: dict[str, Any]) -> Table:
     """One row per resolution and variant: tokens, latency, throughput, memory, GMACs."""
     settings = result["meta"]["settings"]
     title = (
         f"{settings['device']} · {settings['dtype']} · batch {settings['batch']} · "
-        f"{result['meta']['threads']} threads · median of {settings['repeats']}"
+        f"{result['meta']['threads']} threads · median of {_rounds(settings)}"
         + (" · torch.compile" if settings.get("compile") else "")
         + (" · huge-page malloc" if result["meta"].get("malloc") == "hugepages" else "")
         + _kernel_note(result["meta"])

@@ -28,7 +28,8 @@ class BenchSettings:
     device: str = "cpu"
     dtype: str = "float32"
     warmup: int = 1
-    repeats: int = 5
+    repeats: int = 5  # timed rounds, at least
+    min_time: float = 0.0  # more rounds until each variant has this many seconds timed (see time_interleaved)
     memory: bool = True  # peak memory of inference and of one training step
     unfused_max_tokens: int = 4200  # skip the explicit-softmax original above this (N² memory)
     threads: int | None = None
@@ -133,7 +134,8 @@ def _sweep(variants: list[Variant], settings: BenchSettings, log: Callable[[str]
         runs = {v.name: _forward(models[v.name], x, device, settings.dtype) for v in variants if active(v, tokens)}
         log(f"timing {px}px ({tokens} tokens): {', '.join(runs)}")
         warmup = max(settings.warmup, 1) if settings.compile else settings.warmup  # compilation is not latency
-        for name, times in time_interleaved(runs, device, warmup=warmup, repeats=settings.repeats).items():
+        timed = time_interleaved(runs, device, warmup=warmup, repeats=settings.repeats, min_time=settings.min_time)
+        for name, times in timed.items():
             m = measurements[name, px]
             m.latency_ms_runs = [t * 1e3 for t in times]
             m.latency_ms = median(times) * 1e3

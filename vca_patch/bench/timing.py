@@ -20,17 +20,27 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def time_interleaved(
-    fns: dict[str, Callable[[], object]], device: torch.device, *, warmup: int = 1, repeats: int = 5
+    fns: dict[str, Callable[[], object]],
+    device: torch.device,
+    *,
+    warmup: int = 1,
+    repeats: int = 5,
+    min_time: float = 0.0,
+    max_rounds: int = 1000,
 ) -> dict[str, list[float]]:
-    """Seconds per call of each fn: `warmup` untimed rounds, then `repeats` rounds in alternating order."""
+    """Seconds per call of each fn: `warmup` untimed rounds, then rounds in alternating order — `repeats` at
+    least, and more (up to `max_rounds`) until every fn has `min_time` seconds timed, as timeit's autorange
+    does: a 10 ms call gets a hundred samples, so one slow round on a shared machine cannot move its median."""
     names = list(fns)
     for _ in range(warmup):
         for name in names:
             fns[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else reversed(names):
+    rounds = 0
+    while rounds < repeats or (rounds < max_rounds and min(sum(t) for t in times.values()) < min_time):
+        for name in names if rounds % 2 == 0 else reversed(names):
             times[name].append(_timed(fns[name], device))
+        rounds += 1
     return times
 
 

@@ -47,7 +47,10 @@ def bench(
     target: Annotated[str, typer.Option(help="Targets to bench beside the original, comma-separated")] = "vca",
     depth: Annotated[int | None, typer.Option(help="Override the model's number of blocks")] = None,
     layers: Annotated[str | None, typer.Option(help="Blocks to patch, e.g. '0-5,8' (default: all)")] = None,
-    repeats: Annotated[int, typer.Option(help="Timed runs per variant (median reported)")] = 5,
+    repeats: Annotated[int, typer.Option(help="Timed runs per variant, at least (median reported)")] = 5,
+    min_time: Annotated[
+        float, typer.Option(help="More runs until each variant has this many seconds timed (steadier medians)")
+    ] = 1.0,
     warmup: Annotated[int, typer.Option(help="Untimed runs per variant first")] = 1,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's)")] = None,
     memory: Annotated[bool, typer.Option(help="Measure peak memory of inference and of a training step")] = True,
@@ -89,6 +92,7 @@ def bench(
         dtype=dtype,
         warmup=warmup,
         repeats=repeats,
+        min_time=min_time,
         memory=memory,
         unfused_max_tokens=unfused_max_tokens if unfused else 0,
         threads=threads,
