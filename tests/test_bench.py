@@ -236,7 +236,8 @@ def test_cli_bench_times_the_composite_path_when_asked(tmp_path):
     out_json = tmp_path / "bench.json"
     cmd = [
         sys.executable, "-m", "vca_patch", "bench", "vit_tiny_patch16_224", "--depth", "1", "--resolutions", "32",
-        "--repeats", "1", "--min-time", "0", "--warmup", "0", "--no-memory", "--no-unfused", "--no-cpu-kernel", "--json", str(out_json),
+        "--repeats", "1", "--min-time", "0", "--warmup", "0", "--no-memory", "--no-unfused", "--no-cpu-kernel",
+        "--json", str(out_json),
     ]  # fmt: skip
     done = subprocess.run(cmd, env=_ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
