@@ -71,7 +71,7 @@ class _RMSNormFunction(torch.autograd.Function):
         grad_weight = grad_x_hat.flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
         dot = (grad_x_hat @ weight).unsqueeze(-1).mul_(rstd).div_(-x.shape[-1])  # −rstd·mean(g·w·x̂) over d
         # rstd·(g·w − x̂·mean(g·w·x̂)) = rstd·g·w + x·rstd·(−rstd·mean(g·w·x̂)), in the temporary's buffer.
-        grad_x = torch.mul(grad, weight, out=grad_x_hat).addcmul_(x, dot).mul_(rstd)
+        grad_x = grad_x_hat.copy_(grad).mul_(weight).addcmul_(x, dot).mul_(rstd)
         return grad_x.to(x.dtype), grad_weight, None
 
 
