@@ -487,20 +487,17 @@ void attend_cpu_into_q(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
               norm1_weight, norm2_weight, eps1, eps2, scale, exact_prefix, joint, gh, gw, dwc_taps, dwc_bias, out);
 }
 
+// The arguments after q, shared by both ops' schemas.
+#define VCA_ATTEND_ARGUMENTS                                                                                  \
+  "Tensor k, Tensor v, int num_prefix, int H, int W, Tensor? q_bias, Tensor? v_bias, Tensor embed_pos, "      \
+  "Tensor embed_neg, Tensor? temperature, Tensor lambda1, Tensor lambda2, Tensor norm1_weight, "              \
+  "Tensor norm2_weight, float eps1, float eps2, float scale, bool exact_prefix, bool joint, int gh, int gw, " \
+  "Tensor dwc_taps, Tensor dwc_bias"
+
 TORCH_LIBRARY(vca_patch, m) {
-  m.def(
-      "attend_cpu(Tensor q, Tensor k, Tensor v, int num_prefix, int H, int W, Tensor? q_bias, Tensor? v_bias, "
-      "Tensor embed_pos, Tensor embed_neg, "
-      "Tensor? temperature, Tensor lambda1, Tensor lambda2, Tensor norm1_weight, Tensor norm2_weight, float eps1, "
-      "float eps2, float scale, bool exact_prefix, bool joint, int gh, int gw, Tensor dwc_taps, Tensor dwc_bias) "
-      "-> Tensor",
-      {at::Tag::needs_fixed_stride_order});  // under torch.compile, inputs keep their eager strides
-  m.def(
-      "attend_cpu_into_q(Tensor(a!) q, Tensor k, Tensor v, int num_prefix, int H, int W, Tensor? q_bias, "
-      "Tensor? v_bias, Tensor embed_pos, Tensor embed_neg, "
-      "Tensor? temperature, Tensor lambda1, Tensor lambda2, Tensor norm1_weight, Tensor norm2_weight, float eps1, "
-      "float eps2, float scale, bool exact_prefix, bool joint, int gh, int gw, Tensor dwc_taps, Tensor dwc_bias) "
-      "-> ()");
+  m.def("attend_cpu(Tensor q, " VCA_ATTEND_ARGUMENTS ") -> Tensor",
+        {at::Tag::needs_fixed_stride_order});  // under torch.compile, inputs keep their eager strides
+  m.def("attend_cpu_into_q(Tensor(a!) q, " VCA_ATTEND_ARGUMENTS ") -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vca_patch, CPU, m) {
