@@ -36,10 +36,12 @@ def time_interleaved(
         for name in names:
             fns[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
+    totals = dict.fromkeys(names, 0.0)
     rounds = 0
-    while rounds < repeats or (rounds < max_rounds and min(sum(t) for t in times.values()) < min_time):
+    while rounds < repeats or (rounds < max_rounds and min(totals.values()) < min_time):
         for name in names if rounds % 2 == 0 else reversed(names):
             times[name].append(_timed(fns[name], device))
+            totals[name] += times[name][-1]
         rounds += 1
     return times
 
