@@ -50,6 +50,7 @@ class Measurement:
     throughput: float | None = None  # images / s
     memory_infer_mib: float | None = None
     memory_train_mib: float | None = None
+    weight_grads_mib: float | None = None  # the gradients a training step leaves: a floor under memory_train_mib
 
 
 @dataclass
@@ -65,6 +66,9 @@ class Ratio:
     latency_ratio_unfused: float | None
     memory_infer_ratio: float | None
     memory_train_ratio: float | None
+    # The least memory_train_ratio can be: the target's weight gradients alone over the original's whole step peak
+    # (above 1 at small inputs, where the step's peak is mostly gradients and the target has more parameters).
+    memory_train_floor_ratio: float | None
 
 
 def _autocast(device: torch.device, dtype: str):
@@ -90,6 +94,13 @@ def _train_step(model: torch.nn.Module, x: torch.Tensor, device: torch.device, d
         return None
 
     return run
+
+
+def _gradient_mib(model: torch.nn.Module) -> float:
+    """MiB of the parameter gradients a training step left (each storage once)."""
+    storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes() for p in model.parameters()
+                if p.grad is not None}  # fmt: skip
+    return sum(storages.values()) / 2**20
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -156,6 +167,7 @@ def _sweep(variants: list[Variant], settings: BenchSettings, log: Callable[[str]
                     step = _train_step(v.model, x, device, settings.dtype)
                     step()
                     m.memory_train_mib = peak_mib(step, device)
+                    m.weight_grads_mib = _gradient_mib(v.model)
                     v.model.zero_grad(set_to_none=True)
     return _assemble(variants, settings, measurements, shape)
 
@@ -183,6 +195,7 @@ def _assemble(variants, settings, measurements, shape) -> dict[str, Any]:
                     _ratio(t.latency_ms, u.latency_ms if u else None),
                     _ratio(t.memory_infer_mib, o.memory_infer_mib),
                     _ratio(t.memory_train_mib, o.memory_train_mib),
+                    _ratio(t.weight_grads_mib, o.memory_train_mib),
                 )
             )
         ratios += rows
