@@ -138,7 +138,7 @@ def check(results: dict[str, dict], patch: dict | None) -> list[tuple[str, bool,
                     numbers = f"{r[key]:.3f}"
                     floor = r.get("memory_train_floor_ratio") if key == "memory_train_ratio" else None
                     if r[key] > 1.0 and floor is not None:  # say how far any activation saving could take it
-                        numbers += f" (its weight gradients alone: {floor:.3f}{', unreachable' if floor > 1 else ''})"
+                        numbers += f" (its weight gradients alone: {floor:.4f}{', unreachable' if floor > 1 else ''})"
                     rows.append((f"{name} {px}px {label} memory ≤ original", r[key] <= 1.0, numbers))
     if patch is not None:
         s = patch["seconds_median"]
