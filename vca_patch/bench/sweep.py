@@ -32,6 +32,7 @@ class BenchSettings:
     min_time: float = 0.0  # more rounds until each variant has this many seconds timed (see time_interleaved)
     memory: bool = True  # peak memory of inference and of one training step
     unfused_max_tokens: int = 4200  # skip the explicit-softmax original above this (N² memory)
+    unfused_train_max_mib: float = 4096  # skip its training step when its saved attention weights would pass this
     threads: int | None = None
     compile: bool = False  # time torch.compile'd models (inductor, static shapes; memory stays eager)
     cpu_kernel: bool = True  # VCA's fused CPU kernel for float32 inference (False: its composite path)
@@ -69,6 +70,7 @@ class Ratio:
     # The least memory_train_ratio can be: the target's weight gradients alone over the original's whole step peak
     # (above 1 at small inputs, where the step's peak is mostly gradients and the target has more parameters).
     memory_train_floor_ratio: float | None
+    memory_train_ratio_unfused: float | None  # what users of stacks without fused attention save in training
 
 
 def _autocast(device: torch.device, dtype: str):
@@ -94,6 +96,11 @@ def _train_step(model: torch.nn.Module, x: torch.Tensor, device: torch.device, d
         return None
 
     return run
+
+
+def _saved_attention_mib(shape, batch: int, tokens: int) -> float:
+    """MiB of the softmax weights explicit attention keeps for backward (float32): batch·heads·N² per layer."""
+    return batch * shape.num_heads * tokens**2 * 4 * shape.depth / 2**20
 
 
 def _gradient_mib(model: torch.nn.Module) -> float:
@@ -163,12 +170,15 @@ def _sweep(variants: list[Variant], settings: BenchSettings, log: Callable[[str]
                 infer = _forward(v.model, x, device, settings.dtype)
                 infer()  # first-call allocations (kernel caches) are not per-call memory
                 m.memory_infer_mib = peak_mib(infer, device)
-                if v.name != UNFUSED:  # explicit-softmax training memory is N²·heads per layer: skipped
-                    step = _train_step(v.model, x, device, settings.dtype)
-                    step()
-                    m.memory_train_mib = peak_mib(step, device)
-                    m.weight_grads_mib = _gradient_mib(v.model)
-                    v.model.zero_grad(set_to_none=True)
+                weights_mib = _saved_attention_mib(shape, x.shape[0], m.tokens) if v.name == UNFUSED else 0.0
+                if weights_mib > settings.unfused_train_max_mib:
+                    log(f"memory {px}px: {v.name} training skipped (it would keep {weights_mib:,.0f} MiB of softmax)")
+                    continue
+                step = _train_step(v.model, x, device, settings.dtype)
+                step()
+                m.memory_train_mib = peak_mib(step, device)
+                m.weight_grads_mib = _gradient_mib(v.model)
+                v.model.zero_grad(set_to_none=True)
     return _assemble(variants, settings, measurements, shape)
 
 
@@ -196,6 +206,7 @@ def _assemble(variants, settings, measurements, shape) -> dict[str, Any]:
                     _ratio(t.memory_infer_mib, o.memory_infer_mib),
                     _ratio(t.memory_train_mib, o.memory_train_mib),
                     _ratio(t.weight_grads_mib, o.memory_train_mib),
+                    _ratio(t.memory_train_mib, u.memory_train_mib if u else None),
                 )
             )
         ratios += rows
