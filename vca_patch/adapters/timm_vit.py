@@ -140,8 +140,12 @@ class TimmViTAdapter(ModelAdapter):
         )
 
     def adapt_call(self, replacement: nn.Module, site: AttentionSite) -> None:
+        # timm calls attention as attn(x, attn_mask=...), which the replacements take as they are (refusing a
+        # mask themselves); only families with extra call arguments need a hook to drop them (a hook makes every
+        # call take nn.Module's slow path: ~10 µs a layer).
         family = _SELF_ATTENTION[_qualified_name(site.module)]
-        replacement.register_forward_pre_hook(TokensOnly(family.dropped_kwargs), with_kwargs=True)
+        if family.dropped_kwargs:
+            replacement.register_forward_pre_hook(TokensOnly(family.dropped_kwargs), with_kwargs=True)
 
     def verify(self, site: AttentionSite) -> AttentionSite:
         # Rope families called without rope are plain softmax attention; BEiT's bias and CaiT's talking
