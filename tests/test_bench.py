@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -121,6 +122,13 @@ def test_interleaved_timing_adds_rounds_up_to_a_time_budget():
     times = time_interleaved(fns, cpu, warmup=1, repeats=3)  # no budget: exactly `repeats` rounds
     assert [len(t) for t in times.values()] == [3, 3]
     assert calls[2:] == ["fast", "slow", "slow", "fast", "fast", "slow"]  # alternating order after the warm-up
+    calls.clear()
+    three = {name: sleeper(name, 0.0) for name in "abc"}
+    time_interleaved(three, cpu, warmup=0, repeats=6)
+    assert calls == list("abcbcacababcbcacab")  # each variant in each position once per 3 rounds
+    follows = set(itertools.pairwise(calls))
+    assert all(x != y for x, y in follows) and len(follows) == 6  # never right after itself; after both others
+    calls.clear()
     times = time_interleaved(fns, cpu, warmup=0, repeats=3, min_time=0.03)
     rounds = len(times["fast"])
     assert rounds == len(times["slow"]) and sum(times["fast"]) >= 0.03  # the fast call sets the count
