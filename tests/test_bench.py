@@ -337,26 +337,31 @@ def test_vca_inference_compiles_without_graph_breaks(kernel):
     assert ("vca_patch.attend_cpu" in targets) == (kernel and fused_cpu.kernel_available())
 
 
-def test_sweep_measures_explicit_softmax_training_within_a_budget():
-    """The unfused original's training step keeps N²·heads softmax weights per layer: measured while that fits the
-    budget (VCA keeps far less there), skipped with a log line above it."""
-    variants = build_variants("vit_tiny_patch16_224", [VCAConfig()], model_args={"depth": 1})
-    settings = BenchSettings(resolutions=[64, 256], repeats=1, warmup=0)  # 17 and 257 tokens
-    settings.unfused_train_max_mib = 257**2 * 3 * 4 / 2**20 - 0.01  # 256 px: 0.76 MiB of softmax, just over
-    lines: list[str] = []
-    result = run_sweep(variants, settings, log=lines.append)
-    rows = {(r["variant"], r["resolution"]): r for r in result["results"]}
-    ratios = {r["resolution"]: r for r in result["ratios"]}
-    assert rows[UNFUSED, 64]["memory_train_mib"] > 0 and rows[UNFUSED, 64]["memory_infer_mib"] > 0
+def test_sweep_runs_explicit_softmax_within_a_memory_budget():
+    """The unfused original materialises batch·heads·N² softmax tensors: one layer's logits and weights at inference,
+    every layer's weights kept for a training step. Past the budget each is skipped, with a log line."""
+    variants = build_variants("vit_tiny_patch16_224", [VCAConfig()], model_args={"depth": 3})
+    one_map = 257**2 * 3 * 4 / 2**20  # MiB of one [1, 3, 257, 257] float32 tensor (256 px, 3 heads)
+
+    def sweep(maps: float) -> tuple[dict, dict, list[str]]:
+        settings = BenchSettings(resolutions=[64, 256], repeats=1, warmup=0, unfused_max_mib=maps * one_map)
+        lines: list[str] = []
+        result = run_sweep(variants, settings, log=lines.append)
+        rows = {(r["variant"], r["resolution"]): r for r in result["results"]}
+        return rows, {r["resolution"]: r for r in result["ratios"]}, lines
+
+    rows, ratios, lines = sweep(3.01)  # all within: measured, and VCA's step keeps less than explicit softmax's
+    assert rows[UNFUSED, 256]["memory_train_mib"] > 0 and ratios[256]["memory_train_ratio_unfused"] < 1
     assert ratios[64]["memory_train_ratio_unfused"] == pytest.approx(
         rows["vca", 64]["memory_train_mib"] / rows[UNFUSED, 64]["memory_train_mib"]
     )
-    assert rows[UNFUSED, 256]["memory_train_mib"] is None and rows[UNFUSED, 256]["memory_infer_mib"] > 0
-    assert ratios[256]["memory_train_ratio_unfused"] is None
-    assert any("256px: original-unfused training skipped" in line for line in lines)
-    settings.unfused_train_max_mib = 1.0  # within budget: 256 px measured, and VCA keeps less than explicit softmax
-    result = run_sweep(variants, settings, log=lambda _: None)
-    assert next(r for r in result["ratios"] if r["resolution"] == 256)["memory_train_ratio_unfused"] < 1
+    rows, ratios, lines = sweep(2.5)  # the training step's 3 maps are over, inference's 2 within
+    assert rows[UNFUSED, 256]["memory_infer_mib"] > 0 and rows[UNFUSED, 256]["memory_train_mib"] is None
+    assert ratios[256]["memory_train_ratio_unfused"] is None and rows[UNFUSED, 64]["memory_train_mib"] > 0
+    assert any(line.startswith("memory 256px: original-unfused training skipped") for line in lines)
+    rows, ratios, lines = sweep(1.5)  # inference over too: not run at all at 256 px
+    assert rows[UNFUSED, 256]["latency_ms"] is None and rows[UNFUSED, 256]["memory_infer_mib"] is None
+    assert "timing 256px (257 tokens): original, vca" in lines and rows[UNFUSED, 64]["latency_ms"] > 0
 
 
 def test_sweep_times_compiled_models_when_asked():

@@ -32,7 +32,9 @@ class BenchSettings:
     min_time: float = 0.0  # more rounds until each variant has this many seconds timed (see time_interleaved)
     memory: bool = True  # peak memory of inference and of one training step
     unfused_max_tokens: int = 4200  # skip the explicit-softmax original above this (N² memory)
-    unfused_train_max_mib: float = 4096  # skip its training step when its saved attention weights would pass this
+    # Skip the explicit-softmax original where its softmax tensors would pass this: one layer's logits and weights
+    # (inference), or the weights every layer keeps for backward (a training step).
+    unfused_max_mib: float = 4096
     threads: int | None = None
     compile: bool = False  # time torch.compile'd models (inductor, static shapes; memory stays eager)
     cpu_kernel: bool = True  # VCA's fused CPU kernel for float32 inference (False: its composite path)
@@ -98,9 +100,9 @@ def _train_step(model: torch.nn.Module, x: torch.Tensor, device: torch.device, d
     return run
 
 
-def _saved_attention_mib(shape, batch: int, tokens: int) -> float:
-    """MiB of the softmax weights explicit attention keeps for backward (float32): batch·heads·N² per layer."""
-    return batch * shape.num_heads * tokens**2 * 4 * shape.depth / 2**20
+def _softmax_mib(shape, batch: int, tokens: int, count: int) -> float:
+    """MiB of `count` float32 [batch, heads, N, N] tensors: what explicit softmax attention materialises."""
+    return count * batch * shape.num_heads * tokens**2 * 4 / 2**20
 
 
 def _gradient_mib(model: torch.nn.Module) -> float:
@@ -134,7 +136,8 @@ def _sweep(variants: list[Variant], settings: BenchSettings, log: Callable[[str]
     measurements: dict[tuple[str, int], Measurement] = {}
 
     def active(v: Variant, tokens: int) -> bool:
-        return v.name != UNFUSED or tokens <= settings.unfused_max_tokens
+        fits = _softmax_mib(shape, settings.batch, tokens, 2) <= settings.unfused_max_mib  # logits and weights
+        return v.name != UNFUSED or (tokens <= settings.unfused_max_tokens and fits)
 
     inputs: dict[int, torch.Tensor] = {}
     for px in settings.resolutions:
@@ -151,6 +154,9 @@ def _sweep(variants: list[Variant], settings: BenchSettings, log: Callable[[str]
         models = {v.name: torch.compile(v.model, dynamic=False) if settings.compile else v.model for v in variants}
         runs = {v.name: _forward(models[v.name], x, device, settings.dtype) for v in variants if active(v, tokens)}
         log(f"timing {px}px ({tokens} tokens): {', '.join(runs)}")
+        if any(v.name == UNFUSED for v in variants) and UNFUSED not in runs:
+            softmax = _softmax_mib(shape, settings.batch, tokens, 2)
+            log(f"  {UNFUSED} skipped at {px}px: {tokens} tokens, {softmax:,.0f} MiB of softmax logits and weights")
         warmup = max(settings.warmup, 1) if settings.compile else settings.warmup  # compilation is not latency
         timed = time_interleaved(runs, device, warmup=warmup, repeats=settings.repeats, min_time=settings.min_time)
         for name, times in timed.items():
@@ -170,8 +176,8 @@ def _sweep(variants: list[Variant], settings: BenchSettings, log: Callable[[str]
                 infer = _forward(v.model, x, device, settings.dtype)
                 infer()  # first-call allocations (kernel caches) are not per-call memory
                 m.memory_infer_mib = peak_mib(infer, device)
-                weights_mib = _saved_attention_mib(shape, x.shape[0], m.tokens) if v.name == UNFUSED else 0.0
-                if weights_mib > settings.unfused_train_max_mib:
+                weights_mib = _softmax_mib(shape, settings.batch, m.tokens, shape.depth) if v.name == UNFUSED else 0.0
+                if weights_mib > settings.unfused_max_mib:
                     log(f"memory {px}px: {v.name} training skipped (it would keep {weights_mib:,.0f} MiB of softmax)")
                     continue
                 step = _train_step(v.model, x, device, settings.dtype)

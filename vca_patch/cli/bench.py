@@ -56,8 +56,8 @@ def bench(
     memory: Annotated[bool, typer.Option(help="Measure peak memory of inference and of a training step")] = True,
     unfused: Annotated[bool, typer.Option(help="Also bench the original with explicit softmax attention")] = True,
     unfused_max_tokens: Annotated[int, typer.Option(help="Skip the explicit-softmax original above this")] = 4200,
-    unfused_train_max_mib: Annotated[
-        float, typer.Option(help="Skip its training step when its saved softmax weights would pass this many MiB")
+    unfused_max_mib: Annotated[
+        float, typer.Option(help="Skip it where its softmax tensors would pass this many MiB (see the README)")
     ] = 4096,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write all numbers to this JSON file")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a latency/memory plot (PNG; needs matplotlib)")] = None,
@@ -98,7 +98,7 @@ def bench(
         min_time=min_time,
         memory=memory,
         unfused_max_tokens=unfused_max_tokens if unfused else 0,
-        unfused_train_max_mib=unfused_train_max_mib,
+        unfused_max_mib=unfused_max_mib,
         threads=threads,
         compile=use_compile,
         cpu_kernel=cpu_kernel,
@@ -113,7 +113,10 @@ def bench(
         except (UnknownModelError, PatchError) as exc:
             fail(str(exc))
     with console.status("Measuring...") as status:
-        result = run_sweep(variants, settings, log=lambda msg: status.update(msg))
+        # Progress replaces itself in the status line; what was skipped stays on screen.
+        result = run_sweep(
+            variants, settings, log=lambda m: console.print(m.strip()) if "skipped" in m else status.update(m)
+        )
     result["meta"]["model"] = model
     result["meta"]["model_args"] = model_args
     console.print(results_table(result))
