@@ -135,9 +135,13 @@ def _sweep(variants: list[Variant], settings: BenchSettings, log: Callable[[str]
         v.model.to(device)
     measurements: dict[tuple[str, int], Measurement] = {}
 
+    def unfused_inference_mib(tokens: int) -> float:  # one layer's softmax logits and weights
+        return _softmax_mib(shape, settings.batch, tokens, 2)
+
     def active(v: Variant, tokens: int) -> bool:
-        fits = _softmax_mib(shape, settings.batch, tokens, 2) <= settings.unfused_max_mib  # logits and weights
-        return v.name != UNFUSED or (tokens <= settings.unfused_max_tokens and fits)
+        if v.name != UNFUSED:
+            return True
+        return tokens <= settings.unfused_max_tokens and unfused_inference_mib(tokens) <= settings.unfused_max_mib
 
     inputs: dict[int, torch.Tensor] = {}
     for px in settings.resolutions:
@@ -155,7 +159,7 @@ def _sweep(variants: list[Variant], settings: BenchSettings, log: Callable[[str]
         runs = {v.name: _forward(models[v.name], x, device, settings.dtype) for v in variants if active(v, tokens)}
         log(f"timing {px}px ({tokens} tokens): {', '.join(runs)}")
         if any(v.name == UNFUSED for v in variants) and UNFUSED not in runs:
-            softmax = _softmax_mib(shape, settings.batch, tokens, 2)
+            softmax = unfused_inference_mib(tokens)
             log(f"  {UNFUSED} skipped at {px}px: {tokens} tokens, {softmax:,.0f} MiB of softmax logits and weights")
         warmup = max(settings.warmup, 1) if settings.compile else settings.warmup  # compilation is not latency
         timed = time_interleaved(runs, device, warmup=warmup, repeats=settings.repeats, min_time=settings.min_time)
