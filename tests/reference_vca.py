@@ -48,7 +48,8 @@ def _depthwise3x3(grid: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) 
 
 def _lam(lam_module, lambda_init: float) -> torch.Tensor:
     q1, k1, q2, k2 = (p.detach().double() for p in (lam_module.q1, lam_module.k1, lam_module.q2, lam_module.k2))
-    return torch.exp((q1 * k1).sum()) - torch.exp((q2 * k2).sum()) + lambda_init
+    offset = lam_module.offset.double()  # δ: the zero-λ init's float32 rounding residue, fixed
+    return torch.exp((q1 * k1).sum()) - torch.exp((q2 * k2).sum()) + lambda_init + offset
 
 
 def reference_vca(module, x: torch.Tensor, num_prefix: int, grid: tuple[int, int]) -> torch.Tensor:

@@ -7,7 +7,9 @@ import torch
 import vca_patch
 from tests.models import tiny
 from vca_patch import NothingToPatchError, PatchError, VCAConfig, VisualContrastAttention, patch_model, unpatch_model
+from vca_patch.adapters.timm_vit import TimmViTAdapter
 from vca_patch.attention import TokenLayout
+from vca_patch.config import ConfigError
 
 
 def _layouts_seen(model):
@@ -93,7 +95,7 @@ def test_out_of_range_layers_fail_without_touching_the_model():
     assert model.state_dict().keys() == before.keys()
 
 
-def test_a_failing_build_leaves_the_model_untouched(monkeypatch):
+def test_a_refused_build_leaves_the_model_untouched(monkeypatch):
     model, _ = tiny()
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
@@ -104,17 +106,51 @@ def test_a_failing_build_leaves_the_model_untouched(monkeypatch):
     def failing(self, carried, layer_index):
         calls.append(layer_index)
         if layer_index == 1:
-            raise RuntimeError("boom")
+            raise ConfigError("boom")
         return real_build(self, carried, layer_index)
 
     monkeypatch.setattr(VCAConfig, "build_layer", failing)
-    with pytest.raises(RuntimeError, match="boom"):
+    with pytest.raises(ConfigError, match="boom"):
         patch_model(model)
     assert calls == [0, 1]
     assert all(type(b.attn).__name__ == "Attention" for b in model.blocks)
-    assert not model.patch_embed._forward_hooks
+    assert not model.patch_embed._forward_hooks and not model._forward_hooks
     with torch.no_grad():
         assert torch.equal(model(x), expected)
+
+
+def test_a_module_that_cannot_be_built_is_skipped_with_its_reason(monkeypatch):
+    model, _ = tiny()
+    real_build = VCAConfig.build_layer
+
+    def failing(self, carried, layer_index):
+        if layer_index == 1:
+            raise RuntimeError("boom inside a library")
+        return real_build(self, carried, layer_index)
+
+    monkeypatch.setattr(VCAConfig, "build_layer", failing)
+    report = patch_model(model)
+    assert [s.layer_index for s in report.patched] == [0]
+    (skipped,) = [s for s in report.skipped if s.path == "blocks.1.attn"]
+    assert "RuntimeError: boom inside a library" in skipped.reason
+    assert type(model.blocks[1].attn).__name__ == "Attention"
+    model(torch.randn(1, 3, 64, 64))
+
+
+def test_a_module_whose_verification_raises_is_skipped(monkeypatch):
+    model, _ = tiny()
+    real_call = TimmViTAdapter.call_original
+
+    def raising(self, module, x):
+        if module is model.blocks[0].attn:
+            raise TypeError("forward() missing 1 required positional argument: 'position_embeddings'")
+        return real_call(self, module, x)
+
+    monkeypatch.setattr(TimmViTAdapter, "call_original", raising)
+    report = patch_model(model)
+    assert [s.path for s in report.patched] == ["blocks.1.attn"]
+    (skipped,) = [s for s in report.skipped if s.path == "blocks.0.attn"]
+    assert skipped.reason.startswith("verification raised TypeError: forward() missing")
 
 
 def test_patching_twice_is_refused_and_unpatch_restores_exactly():

@@ -132,8 +132,9 @@ def test_split_projections_and_q_norm_take_the_kernel_too():
     dim, heads, grid = 32, 4, (5, 5)
     x, layout = torch.randn(2, 25, dim), TokenLayout(0, grid)
     linears = [torch.nn.Linear(dim, dim, bias=bias) for bias in (True, False, True)]  # BEiT-style: no k bias
-    split = _randomised(VisualContrastAttention(dim, heads, contrast_grid=(2, 2), qkv=SplitQKV(*linears)))
-    separate_bias = QKVWithSeparateBias(torch.nn.Linear(dim, 3 * dim, bias=False), *torch.randn(2, dim).unbind())
+    split = _randomised(VisualContrastAttention(dim, heads, contrast_grid=(2, 2), qkv=SplitQKV.of(*linears)))
+    biases = map(torch.nn.Parameter, torch.randn(2, dim).unbind())
+    separate_bias = QKVWithSeparateBias.of(torch.nn.Linear(dim, 3 * dim, bias=False), *biases)
     beit = _randomised(VisualContrastAttention(dim, heads, contrast_grid=(2, 2), qkv=separate_bias))
     normed = _randomised(VisualContrastAttention(dim, heads, contrast_grid=(2, 2)))
     normed.q_norm = torch.nn.LayerNorm(dim // heads)  # a copy in another layout: biases are not folded

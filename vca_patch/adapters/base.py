@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +12,7 @@ import torch
 from torch import nn
 
 from ..attention import CarriedAttention, TokenLayout
+from ..attention.layout import close_scope, open_scope, recorded_layout, scoped_layout
 from .verify import TOLERANCE, verification_error
 
 
@@ -39,24 +42,75 @@ class SkippedSite:
     reason: str
 
 
-class LayoutTracker:
-    """Forward hook on a model's embedding module that records the token layout of the current input.
+def attention_dropout_note(module: nn.Module) -> str | None:
+    """The report's note when `module` applies dropout to its attention weights (VCA has none), else None."""
+    for name in ("attn_drop", "attention_dropout", "dropout"):
+        value = getattr(module, name, None)
+        p = value.p if isinstance(value, nn.Dropout) else value if isinstance(value, float) else 0.0
+        if p > 0:
+            return f"attention dropout (p={p:g}) dropped: VCA has no attention-weight dropout (training only)"
+    return None
 
-    A callable object rather than a closure, so `copy.deepcopy(model)` copies it along with the
-    modules that read it.
+
+class LayoutTracker:
+    """The token layout of a patched model's current forward call (see `attention.layout`).
+
+    A forward hook on the model's embedding module opens the call's layout scope; `LayoutScopeEnd`, a hook on
+    the model itself, closes it when the forward returns or raises. A callable object rather than a closure,
+    so `copy.deepcopy(model)` gives the copy a tracker (and scopes) of its own.
     """
 
     def __init__(self, adapter: ModelAdapter) -> None:
         self.adapter = adapter
-        self.layout: TokenLayout | None = None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        self.layout = self.adapter.layout_from_embedding(module, args, kwargs, output)
+        open_scope(self, self.adapter.layout_from_embedding(module, args, kwargs, output))
 
     def current(self) -> TokenLayout:
-        if self.layout is None:
-            raise RuntimeError("no token layout yet: run the whole model (its patch embedding sets the grid)")
-        return self.layout
+        """The layout of the forward this call belongs to; a clear error outside one."""
+        layout = scoped_layout(self)
+        if layout is None and torch.is_grad_enabled():
+            layout = recorded_layout()  # a recomputation under gradient checkpointing
+        if layout is None:
+            raise RuntimeError(
+                "no token layout for this call: a patched layer takes it from its model's forward (the patch "
+                "embedding sets the grid). Call the whole model, pass layout=TokenLayout(...), or use "
+                "`with state.tracker.scope(layout):`; under gradient checkpointing, checkpoint modules whose "
+                "output depends on the patched attention (e.g. whole blocks)"
+            )
+        return layout
+
+    @property
+    def layout(self) -> TokenLayout | None:
+        """The layout of the current scope in this context, or None."""
+        return scoped_layout(self)
+
+    @layout.setter
+    def layout(self, layout: TokenLayout | None) -> None:
+        if layout is None:
+            close_scope(self)
+        else:
+            open_scope(self, layout)
+
+    @contextmanager
+    def scope(self, layout: TokenLayout) -> Iterator[None]:
+        """Run the block with `layout` as this model's layout (for layers called one by one)."""
+        previous = scoped_layout(self)
+        open_scope(self, layout)
+        try:
+            yield
+        finally:
+            self.layout = previous
+
+
+class LayoutScopeEnd:
+    """Forward hook (always called) on a patched model: its forward's layout scope ends with it."""
+
+    def __init__(self, tracker: LayoutTracker) -> None:
+        self.tracker = tracker
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        close_scope(self.tracker)
 
 
 class ModelAdapter(ABC):
@@ -114,12 +168,15 @@ class ModelAdapter(ABC):
     def install_layout_tracker(self, model: nn.Module) -> LayoutTracker:
         tracker = LayoutTracker(self)
         self.embedding_module(model).register_forward_hook(tracker, with_kwargs=True)
+        model.register_forward_hook(LayoutScopeEnd(tracker), always_call=True)
         return tracker
 
     @staticmethod
     def remove_layout_tracker(model: nn.Module) -> None:
         for module in model.modules():
             for key, hook in list(module._forward_hooks.items()):
-                if isinstance(hook, LayoutTracker):
+                if isinstance(hook, (LayoutTracker, LayoutScopeEnd)):
+                    close_scope(hook.tracker if isinstance(hook, LayoutScopeEnd) else hook)
                     del module._forward_hooks[key]
                     module._forward_hooks_with_kwargs.pop(key, None)
+                    module._forward_hooks_always_called.pop(key, None)

@@ -24,12 +24,18 @@ def attention_output(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
+# Model-level flags transformers threads through every layer (TransformersKwargs); attention ignores them too.
+_MODEL_FLAGS = ("output_hidden_states", "return_dict", "interpolate_pos_encoding", "num_items_in_batch", "use_cache")
+
+
 class TokensOnly:
     """Forward pre-hook: call the replacement with the token tensor alone (and an explicit `layout=`).
 
-    Keyword arguments in `dropped` (e.g. `rope`, a relative-position bias) are discarded — the
-    adapter records that as an approximation. A non-None mask is an error unless `mask_is_bias`
-    (BEiT passes its relative-position bias as the mask), since VCA cannot apply one.
+    Keyword arguments in `dropped` (e.g. `rope`, a relative-position bias) are discarded — the adapter records
+    that as an approximation. Any other keyword argument that asks for something (not None, not False) is an
+    error naming it: a replacement never silently ignores an input it cannot apply (cross-attention's
+    `encoder_hidden_states`, rotary `position_embeddings`, ...). A non-None mask is an error unless
+    `mask_is_bias` (BEiT passes its relative-position bias as the mask), since VCA cannot apply one.
     """
 
     def __init__(self, dropped: tuple[str, ...] = (), mask_is_bias: bool = False) -> None:
@@ -37,13 +43,23 @@ class TokensOnly:
         self.mask_is_bias = mask_is_bias
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
-        args, kwargs = list(args), dict(kwargs)
+        owner = type(module).__name__
         if kwargs.get("is_causal"):
-            raise ValueError(f"{type(module).__name__} cannot apply causal attention")
-        x = call_tokens(tuple(args), kwargs)
-        masks = [kwargs.get(name) for name in _MASK_NAMES] + args[1:2]  # HF passes the mask second
+            raise ValueError(f"{owner} cannot apply causal attention")
+        x = call_tokens(args, kwargs)
+        masks = [kwargs.get(name) for name in _MASK_NAMES] + list(args[1:2])  # HF passes the mask second
         if any(isinstance(m, torch.Tensor) for m in masks) and not self.mask_is_bias:
-            raise ValueError(f"{type(module).__name__} cannot apply an attention mask to linear attention")
+            raise ValueError(f"{owner} cannot apply an attention mask to linear attention")
+        known = {*_TOKEN_NAMES, *_MASK_NAMES, *_MODEL_FLAGS, *self.dropped, "layout"}
+        asked = [
+            name for name, value in kwargs.items() if name not in known and value is not None and value is not False
+        ]
+        if asked:
+            raise TypeError(
+                f"{owner} (patched by vca_patch) cannot apply the call argument(s) {', '.join(sorted(asked))}: "
+                "the original attention used them and the replacement would ignore them; unpatch this layer "
+                "(config.exclude) or call it without them"
+            )
         return (x,), {"layout": kwargs["layout"]} if "layout" in kwargs else {}
 
 

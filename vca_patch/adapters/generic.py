@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention import CarriedAttention, SplitQKV, TokenLayout
+from ..attention import CarriedAttention, TokenLayout
+from ..attention.fused_qkv import FusedQKVView, SplitQKV
 from .base import AttentionSite, ModelAdapter, SkippedSite
 from .call_shims import TokensOnly, TupleOutput
 
@@ -28,19 +29,24 @@ def _linear(module: nn.Module, name: str) -> nn.Linear | None:
     return child if isinstance(child, nn.Linear) else None
 
 
-def _qkv(module: nn.Module) -> nn.Module | None:
+def _qkv(module: nn.Module) -> nn.Module | FusedQKVView | None:
     fused = _linear(module, "qkv")
     if fused is not None and fused.out_features % 3 == 0:
         return fused
     for names in _QKV_NAMES:
         parts = [_linear(module, n) for n in names]
         if all(parts) and len({(p.in_features, p.out_features) for p in parts}) == 1:
-            return SplitQKV(*parts)
+            return SplitQKV(module, names)  # read under the module's own names
     return None
 
 
+def _output_name(module: nn.Module) -> str | None:
+    return next((name for name in _OUTPUT_NAMES if _linear(module, name) is not None), None)
+
+
 def _output(module: nn.Module) -> nn.Linear | None:
-    return next((lin for lin in (_linear(module, n) for n in _OUTPUT_NAMES) if lin is not None), None)
+    name = _output_name(module)
+    return None if name is None else _linear(module, name)
 
 
 def _heads(module: nn.Module) -> int | None:
@@ -141,7 +147,10 @@ class GenericAdapter(ModelAdapter):
 
     def carry(self, site: AttentionSite) -> CarriedAttention:
         qkv, out, heads = _candidate(site.module)
-        return CarriedAttention(qkv=qkv, proj=out, num_heads=heads, head_dim=qkv.out_features // 3 // heads)
+        return CarriedAttention(
+            qkv=qkv, proj=out, num_heads=heads, head_dim=qkv.out_features // 3 // heads,
+            proj_name=_output_name(site.module),
+        )  # fmt: skip
 
     def call_original(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = module(x)

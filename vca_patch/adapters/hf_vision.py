@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention import CarriedAttention, SplitQKV, TokenLayout
-from .base import AttentionSite, ModelAdapter, SkippedSite
+from ..attention import CarriedAttention, TokenLayout
+from ..attention.fused_qkv import SplitQKV
+from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
 from .call_shims import TokensOnly, TupleOutput
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
@@ -19,11 +20,13 @@ _TEXT_TOWER = re.compile(r"(?:^|\.)text_(?:model|tower|encoder)(?:\.|$)")
 BIAS_APPROXIMATION = "relative position bias dropped (VCA has no pairwise token bias)"
 
 
+def _output_name(module: nn.Module) -> str | None:
+    return next((name for name in _OUTPUT_NAMES if isinstance(getattr(module, name, None), nn.Linear)), None)
+
+
 def _output_projection(module: nn.Module) -> nn.Linear | None:
-    for name in _OUTPUT_NAMES:
-        if isinstance(getattr(module, name, None), nn.Linear):
-            return getattr(module, name)
-    return None
+    name = _output_name(module)
+    return None if name is None else getattr(module, name)
 
 
 def _is_qkv_attention(module: nn.Module) -> bool:
@@ -107,6 +110,7 @@ class HFVisionAdapter(ModelAdapter):
                     skipped.append(SkippedSite(path, class_name, "not inside an encoder layer"))
                 else:
                     notes = [BIAS_APPROXIMATION] if bias_dropped else []
+                    notes += filter(None, [attention_dropout_note(module)])
                     sites.append(
                         AttentionSite(
                             path, module, int(match.group(1)), module.q_proj.in_features, _num_heads(module), notes
@@ -137,10 +141,11 @@ class HFVisionAdapter(ModelAdapter):
     def carry(self, site: AttentionSite) -> CarriedAttention:
         attn = site.module
         return CarriedAttention(
-            qkv=SplitQKV(attn.q_proj, attn.k_proj, attn.v_proj),
+            qkv=SplitQKV(attn),  # q_proj/k_proj/v_proj, read from the module (and then the replacement)
             proj=_output_projection(attn),
             num_heads=site.num_heads,
             head_dim=attn.q_proj.out_features // site.num_heads,
+            proj_name=_output_name(attn),
         )
 
     def call_original(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,9 @@ from typing import Any
 
 from torch import nn
 
-from ..attention import CarriedAttention, QKVWithSeparateBias, SplitQKV, TokenLayout
-from .base import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite
+from ..attention import CarriedAttention, TokenLayout
+from ..attention.fused_qkv import FusedQKVView, QKVWithSeparateBias, SplitQKV
+from .base import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite, attention_dropout_note
 from .call_shims import TokensOnly
 
 _BLOCK_INDEX = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
@@ -55,12 +56,14 @@ def _looks_like_attention(module: nn.Module) -> bool:
     return _named_like_attention(module) and not any(_named_like_attention(c) for c in module.children())
 
 
-def _fused_qkv(attn: nn.Module) -> nn.Module:
+def _fused_qkv(attn: nn.Module) -> nn.Module | FusedQKVView:
+    """The fused qkv projection, read from the module's own members: `qkv`, `qkv` + `q_bias`/`v_bias` (BEiT, EVA),
+    or `q_proj`/`k_proj`/`v_proj` (EVA unfused)."""
     if isinstance(getattr(attn, "qkv", None), nn.Linear):
         if getattr(attn, "q_bias", None) is not None and attn.qkv.bias is None:
-            return QKVWithSeparateBias(attn.qkv, attn.q_bias, attn.v_bias)
+            return QKVWithSeparateBias(attn)
         return attn.qkv
-    return SplitQKV(attn.q_proj, attn.k_proj, attn.v_proj)
+    return SplitQKV(attn)
 
 
 class TimmViTAdapter(ModelAdapter):
@@ -89,6 +92,7 @@ class TimmViTAdapter(ModelAdapter):
                     continue
                 qkv = _fused_qkv(module)
                 notes = [family.approximation] if family.approximation else []
+                notes += filter(None, [attention_dropout_note(module)])
                 sites.append(AttentionSite(path, module, int(match.group(1)), qkv.in_features, module.num_heads, notes))
             elif _looks_like_attention(module) and not any(path.startswith(s.path + ".") for s in sites):
                 reason = _NOT_SELF_ATTENTION.get(class_name, f"no adapter for {_qualified_name(module)}")

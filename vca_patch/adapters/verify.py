@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -29,10 +30,18 @@ def reference_softmax_attention(carried: CarriedAttention, x: torch.Tensor) -> t
 def verification_error(
     module: nn.Module, carried: CarriedAttention, call: Callable[[nn.Module, torch.Tensor], torch.Tensor]
 ) -> float | None:
-    """Relative error between `call(module, x)` and the reference on a random probe (None on the meta device)."""
+    """Relative error between `call(module, x)` and the reference on a random probe (None on the meta device).
+
+    Both run in float32 at least: a half-precision module (and the carried modules it shares) is checked on a
+    float32 copy, so the verdict is about structure, not bf16/fp16 rounding (~4e-3 for bf16).
+    """
     weight = next(module.parameters())
     if weight.is_meta:
         return None
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        module, carried = copy.deepcopy((module, carried))  # one copy: shared submodules stay shared
+        module.float()
+        weight = next(module.parameters())
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, 1 + 4 * 4, carried.dim, generator=generator).to(weight)
     was_training = module.training

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from .fused_qkv import FusedQKVView, Member
 from .layout import TokenLayout
 
 
@@ -15,11 +16,13 @@ from .layout import TokenLayout
 class CarriedAttention:
     """Library-neutral view of one attention module's weights (the modules themselves, not copies).
 
-    `qkv` is fused (an nn.Linear, or a SplitQKV over separate projections): output channels ordered
-    (q | k | v), each as (head, head_dim).
+    `qkv` is fused, output channels ordered (q | k | v), each as (head, head_dim): the module's `qkv` Linear, or
+    a `FusedQKVView` over its own members (q_proj/k_proj/v_proj, qkv + q_bias/v_bias, ...). `proj_name` is the
+    name the module holds `proj` under (o_proj, out_proj, ...). A replacement registers every carried module and
+    parameter under these original names, so the carried weights keep their state-dict keys.
     """
 
-    qkv: nn.Module
+    qkv: nn.Module | FusedQKVView
     proj: nn.Linear
     num_heads: int
     head_dim: int
@@ -28,6 +31,7 @@ class CarriedAttention:
     norm: nn.Module = field(default_factory=nn.Identity)  # on merged heads, before proj
     gate: nn.Module | None = None  # sigmoid output gate computed from the block input
     proj_drop: nn.Module = field(default_factory=nn.Identity)
+    proj_name: str = "proj"
 
     @property
     def dim(self) -> int:
@@ -36,6 +40,7 @@ class CarriedAttention:
     def instantiate(self, layer_cls: type[nn.Module], **kwargs) -> nn.Module:
         """A replacement layer built around these q/k/v/proj modules, with the original norms, gate and dropout."""
         layer = layer_cls(self.dim, self.num_heads, head_dim=self.head_dim, qkv=self.qkv, proj=self.proj, **kwargs)
+        layer.rename_output(self.proj_name)
         self.attach_extras(layer)
         return layer
 
@@ -48,8 +53,11 @@ class CarriedAttention:
 class CarriedAttentionLayer(nn.Module):
     """Base of the replacement layers: softmax attention's q/k/v/proj, norms, gate and dropout, carried over.
 
-    Subclasses add their own parameters (on `factory_kwargs`) and `forward`; adapters swap in the original
-    modules through `from_carried`.
+    The carried modules and parameters are registered under the names the original module used (HF
+    `q_proj`/`k_proj`/`v_proj`/`o_proj`, timm `qkv` with BEiT's `q_bias`/`v_bias`, ...): `layer.qkv` and
+    `layer.proj` are properties that read them, `qkv` as the fused projection (the Linear itself, or an
+    unregistered `FusedQKVView` of this layer). Subclasses add their own parameters (on `factory_kwargs`) and
+    `forward`; adapters swap in the original modules through `from_carried`.
     """
 
     def __init__(
@@ -62,7 +70,7 @@ class CarriedAttentionLayer(nn.Module):
         qkv_bias: bool = True,
         proj_bias: bool = True,
         proj_drop: float = 0.0,
-        qkv: nn.Linear | None = None,
+        qkv: nn.Module | FusedQKVView | None = None,
         proj: nn.Linear | None = None,
     ) -> None:
         super().__init__()
@@ -77,20 +85,91 @@ class CarriedAttentionLayer(nn.Module):
         # Token layout for calls that do not pass one (set by model surgery).
         self.layout_source: Callable[[], TokenLayout] | None = None
 
-        self.qkv = qkv if qkv is not None else nn.Linear(dim, 3 * attn_dim, bias=qkv_bias)
+        qkv = qkv if qkv is not None else nn.Linear(dim, 3 * attn_dim, bias=qkv_bias)
+        if isinstance(qkv, FusedQKVView):
+            self._qkv_layout: tuple[type[FusedQKVView] | None, tuple[str, ...]] = (type(qkv), qkv.names)
+            members = qkv.members()
+        elif isinstance(qkv, nn.Module):
+            self._qkv_layout, members = (None, ("qkv",)), [("qkv", qkv)]
+        else:
+            raise TypeError(f"qkv must be an nn.Module or a FusedQKVView, got {type(qkv).__name__}")
+        for name, member in members:
+            self._carry(name, member)
         self.q_norm: nn.Module = nn.Identity()
         self.k_norm: nn.Module = nn.Identity()
         self.norm: nn.Module = nn.Identity()  # optional norm before proj
         self.gate: nn.Module | None = None  # optional sigmoid output gate
-        self.proj = proj if proj is not None else nn.Linear(attn_dim, dim_out or dim, bias=proj_bias)
+        self._proj_name = "proj"
+        self._carry("proj", proj if proj is not None else nn.Linear(attn_dim, dim_out or dim, bias=proj_bias))
         if self.qkv.out_features != 3 * attn_dim or self.proj.in_features != attn_dim:
             raise ValueError(f"qkv/proj shapes do not fit {num_heads} heads of width {head_dim}")
         self.proj_drop = nn.Dropout(proj_drop)
 
+    def _carry(self, name: str, member: Member) -> None:
+        """Register a carried module or parameter under its original name (straight into the registry, so a
+        name that is also a method here, e.g. `output`, still gets its original state-dict key)."""
+        if name in self._modules or name in self._parameters or name in self._buffers:
+            raise ValueError(f"{type(self).__name__} already has a member {name!r}; cannot carry another one")
+        if isinstance(member, nn.Module):
+            self._modules[name] = member
+        elif member is None or isinstance(member, nn.Parameter):
+            self._parameters[name] = member
+        else:
+            raise TypeError(f"carried {name!r} must be a module or a parameter, got {type(member).__name__}")
+
+    @property
+    def qkv(self) -> nn.Module | FusedQKVView:
+        """The fused q/k/v projection: the carried `qkv` module, or a view over the carried members."""
+        view, names = self._qkv_layout
+        return self._modules[names[0]] if view is None else view(self, names, check=False)
+
+    @property
+    def proj(self) -> nn.Linear:
+        """The carried output projection (registered under its original name)."""
+        return self._modules[self._proj_name]
+
+    def rename_output(self, name: str) -> None:
+        """Hold the output projection under `name` (the original module's, e.g. o_proj), at the same place."""
+        old = self._proj_name
+        if name == old:
+            return
+        if name in self._modules or name in self._parameters or name in self._buffers:
+            raise ValueError(f"{type(self).__name__} already has a member {name!r}")
+        items = list(self._modules.items())
+        self._modules.clear()
+        self._modules.update((name if key == old else key, module) for key, module in items)
+        self._proj_name = name
+
+    def carried_members(self) -> dict[str, Member]:
+        """The carried q/k/v/proj modules and parameters, by their original names, as this layer holds them now."""
+        names = (*self._qkv_layout[1], self._proj_name)
+        return {name: self._modules[name] if name in self._modules else self._parameters[name] for name in names}
+
+    def restore_into(self, original: nn.Module) -> None:
+        """Put this layer's carried members back on `original` under the same names, where they are other
+        objects (a parameter replaced by `load_state_dict(assign=True)` or on dtype conversion)."""
+        for name, member in self.carried_members().items():
+            if getattr(original, name, None) is not member:
+                setattr(original, name, member)
+
+    def keep_original(self, original: nn.Module) -> None:
+        """Keep the replaced module (for `unpatch_model`) outside the module tree: not in the state dict or
+        `parameters()`, yet moved and cast with this layer by `.to()`, `.cuda()`, `.half()`, ..."""
+        self.__dict__["original_module"] = original
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        original = self.__dict__.get("original_module")
+        if original is not None:
+            self.restore_into(original)  # the carried members, already converted (a second conversion is a no-op)
+            original._apply(fn, recurse)  # its own tensors, e.g. a relative-position bias table the layer dropped
+        return self
+
     @property
     def factory_kwargs(self) -> dict[str, Any]:
         """device and dtype of the carried weights, for the parameters a subclass adds."""
-        return {"device": self.qkv.weight.device, "dtype": self.qkv.weight.dtype}
+        weight = next(iter(self.qkv.parameters()))
+        return {"device": weight.device, "dtype": weight.dtype}
 
     @classmethod
     def from_carried(cls, carried: CarriedAttention, **kwargs) -> CarriedAttentionLayer:

@@ -1,8 +1,16 @@
-"""Token layout of a vision transformer sequence: prefix tokens followed by a patch grid."""
+"""Token layout of a vision transformer sequence: prefix tokens followed by a patch grid.
+
+The layout belongs to one forward call, never to the model: a patched model's patch embedding opens a
+*layout scope* (a context variable, so threads, DataParallel replicas and nested models each see their own)
+that the model's forward closes. Layers that run during backward under gradient checkpointing find the
+layout of the forward they recompute in the autograd graph: every layer records it on its output's
+`grad_fn.metadata`, and a recomputation walks up from the autograd node being run to the nearest record.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +39,60 @@ class TokenLayout:
                 f"{self.num_prefix_tokens} prefix + {self.grid[0]}x{self.grid[1]} patches = "
                 f"{self.num_tokens}; token dropping or merging before attention is not supported"
             )
+
+
+_SCOPES: ContextVar[dict[Hashable, TokenLayout] | None] = ContextVar("vca_patch_layout_scopes", default=None)
+_GRAPH_KEY = "vca_patch.layout"
+_GRAPH_SEARCH_LIMIT = 4096  # autograd nodes visited at most when a recomputation looks for its layout
+
+
+def open_scope(owner: Hashable, layout: TokenLayout) -> None:
+    """Make `layout` the current layout of `owner` (a patched model's tracker) in this context."""
+    _SCOPES.set({**(_SCOPES.get() or {}), owner: layout})
+
+
+def close_scope(owner: Hashable) -> None:
+    """End `owner`'s layout scope in this context (no-op when none is open)."""
+    scopes = _SCOPES.get() or {}
+    if owner in scopes:
+        _SCOPES.set({k: v for k, v in scopes.items() if k is not owner})
+
+
+def scoped_layout(owner: Hashable) -> TokenLayout | None:
+    """`owner`'s layout in the current context, else None."""
+    return (_SCOPES.get() or {}).get(owner)
+
+
+def record_layout(output: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """Record `layout` on `output`'s autograd node (for the recomputation of gradient checkpointing); output."""
+    node = None if torch.compiler.is_compiling() else output.grad_fn  # compiled graphs are not recomputed so
+    if node is not None:
+        node.metadata[_GRAPH_KEY] = layout
+    return output
+
+
+def recorded_layout() -> TokenLayout | None:
+    """During backward, the layout recorded nearest above the autograd node being run (breadth first); else None.
+
+    That node belongs to the graph of the forward being recomputed, and so do all nodes above it except
+    parameter leaves (AccumulateGrad), which are never searched: a layout found there is that forward's.
+    """
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return None
+    frontier, seen = [node], {node}
+    while frontier and len(seen) < _GRAPH_SEARCH_LIMIT:
+        parents = []
+        for current in frontier:
+            layout = current.metadata.get(_GRAPH_KEY)
+            if layout is not None:
+                return layout
+            for parent, _ in current.next_functions:
+                if parent is not None and parent not in seen and type(parent).__name__ != "AccumulateGrad":
+                    seen.add(parent)
+                    parents.append(parent)
+        frontier = parents
+    return None
 
 
 def resolve_layout(

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .carried import CarriedAttentionLayer
-from .layout import TokenLayout, grid_to_tokens, resolve_layout
+from .fused_qkv import FusedQKVView
+from .layout import TokenLayout, grid_to_tokens, record_layout, resolve_layout
 from .multipole_levels import Level, plan_levels, vcycle_weights
 from .windows import pad_grid, window_key_mask, window_merge, window_partition
 
@@ -53,7 +54,8 @@ class MultipoleAttention(CarriedAttentionLayer):
         up: "conv" (shared ConvTranspose2d(C', C', r, stride r, no bias)) or "nearest" (with gain γ ∈ R^C').
         prefix: "global" (prefix keys join every level-0 window) or "separate" (grid never sees them).
         pad: pad levels that the rate/window do not divide (False: raise instead).
-        qkv, proj: existing fused q/k/v and output projections to reuse (built fresh when None).
+        qkv, proj: existing fused q/k/v (a Linear or a `FusedQKVView`) and output projections to reuse (built fresh
+            when None); registered under their own names.
     """
 
     def __init__(
@@ -73,7 +75,7 @@ class MultipoleAttention(CarriedAttentionLayer):
         prefix: PrefixMode = "global",
         pad: bool = True,
         proj_drop: float = 0.0,
-        qkv: nn.Linear | None = None,
+        qkv: nn.Module | FusedQKVView | None = None,
         proj: nn.Linear | None = None,
     ) -> None:
         if down not in ("conv", "avg"):
@@ -217,7 +219,7 @@ class MultipoleAttention(CarriedAttentionLayer):
             o = torch.cat([F.scaled_dot_product_attention(q[:, :, :P], k, v, scale=self.scale), o], dim=2)
         y = self._project(o, x)  # [B, N, C']
         if len(levels) == 1:
-            return self.proj_drop(y)
+            return record_layout(self.proj_drop(y), layout)
 
         # Coarse levels: coarsen the level inputs, attend within windows, project (grid tokens only).
         x_level = x[:, P:].transpose(1, 2).reshape(B, C, H, W)
@@ -237,7 +239,7 @@ class MultipoleAttention(CarriedAttentionLayer):
         if self.up_gain is not None:
             correction = correction * self.up_gain.view(1, -1, 1, 1).to(correction.dtype)
         y = torch.cat([y[:, :P], y[:, P:] + grid_to_tokens(correction)], dim=1)
-        return self.proj_drop(y)
+        return record_layout(self.proj_drop(y), layout)  # for a recomputation under gradient checkpointing
 
     def extra_repr(self) -> str:
         levels = "auto" if self.levels is None else self.levels

@@ -30,9 +30,9 @@ from torch.utils.checkpoint import checkpoint
 from . import fused_cpu
 from .carried import CarriedAttentionLayer
 from .differential_lambda import DifferentialLambda, lambda_init_for_depth
-from .fused_qkv import QKVWithSeparateBias, SplitQKV, qkv_projections, query_projection
+from .fused_qkv import qkv_linears, qkv_projections, query_projection
 from .grid_pool import adaptive_avg_pool_tokens
-from .layout import TokenLayout, resolve_layout
+from .layout import TokenLayout, record_layout, resolve_layout
 from .local_conv import add_conv_
 
 SoftmaxMode = Literal["joint", "separate"]
@@ -223,14 +223,15 @@ class VisualContrastAttention(CarriedAttentionLayer):
         return tokens.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
 
     def _qkv_parts(self) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
-        """(weight, bias) of q, k and v (`qkv_projections`) when the projection is a known fused module of plain
-        Linear layers without hooks, else None. Cached: the parts are views, so in-place updates show through."""
+        """(weight, bias) of q, k and v (`qkv_projections`) when the projection runs plain Linear layers without
+        hooks (the carried `qkv` Linear, or the q_proj/k_proj/v_proj or bias-free qkv a view reads), else None.
+        Cached: the parts are views, so in-place updates show through."""
         qkv = self.qkv
-        modules = list(qkv.modules())
-        known = type(qkv) in (nn.Linear, SplitQKV, QKVWithSeparateBias) and all(
-            type(m) is nn.Linear for m in modules[1:]
+        linears = qkv_linears(qkv)
+        plain = linears is not None and all(
+            type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) for m in linears
         )
-        if not known or any(m._forward_hooks or m._forward_pre_hooks for m in modules):
+        if not plain:
             return None
         if torch.compiler.is_compiling():  # traced once: no cache (and no data_ptr) needed
             return qkv_projections(qkv)
@@ -274,18 +275,26 @@ class VisualContrastAttention(CarriedAttentionLayer):
         """x: [B, N, dim] with N = prefix + H·W tokens -> [B, N, dim_out]."""
         layout = resolve_layout("VisualContrastAttention", x.shape[1], layout, self.layout_source, attn_mask, is_causal)
         if self._fused_kernel_usable(x):
+            if torch.is_autocast_enabled("cpu"):  # the kernel is float32: it runs so, like an autocast fp32 op
+                with torch.autocast("cpu", enabled=False):
+                    return self.attend_fused(x.float(), layout)
             return self.attend_fused(x, layout)
         q, k, v = self.project_qkv(x)  # [B, M, N, d] each
         trains = q.requires_grad or v.requires_grad or self.contrast_embed_pos.requires_grad  # frozen backbone too
         if self.recompute_in_backward and torch.is_grad_enabled() and trains:
             # Training: keep only x, q, k, v (what softmax attention keeps, less its output) and run the rest
             # again in backward; the 2n-token tensors would otherwise add up to 8n/N token rows per layer.
-            return checkpoint(self.attend, x, q, k, v, layout, use_reentrant=False)
-        return self.attend(x, q, k, v, layout)
+            out = checkpoint(self.attend, x, q, k, v, layout, use_reentrant=False)
+        else:
+            out = self.attend(x, q, k, v, layout)
+        return record_layout(out, layout)  # for a recomputation of this call under gradient checkpointing
 
     def _fused_kernel_usable(self, x: torch.Tensor) -> bool:
-        """float32 CPU inference (nothing needs a gradient) and the kernel built (see `fused_cpu`)."""
-        if x.device.type != "cpu" or x.dtype != torch.float32:
+        """float32 CPU inference (nothing needs a gradient; float32 weights, input float32 or under CPU autocast)
+        and the kernel built (see `fused_cpu`)."""
+        if x.device.type != "cpu" or self.contrast_embed_pos.dtype != torch.float32:
+            return False
+        if x.dtype != torch.float32 and not (torch.is_autocast_enabled("cpu") and x.dtype.is_floating_point):
             return False
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
             return False

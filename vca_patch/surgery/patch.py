@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from ..adapters import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite, adapter_for
-from ..config import TargetConfig, VCAConfig
+from ..attention.layout import close_scope
+from ..config import ConfigError, TargetConfig, VCAConfig
 from .report import PatchedSite, PatchReport
 
 STATE_ATTR = "vca_patch_state"
@@ -87,9 +88,19 @@ def _plan(model: nn.Module, config: TargetConfig, strict: bool):
             f"no adapter knows {type(model).__module__}.{type(model).__name__}; supported: timm ViT-style models and "
             "Hugging Face transformers vision encoders, or models whose attention passes generic verification"
         )
-    found, skipped = adapter.find_sites(model)
+    try:
+        found, skipped = adapter.find_sites(model)
+    except Exception as error:  # an unexpected model: say why instead of a traceback from inside a library
+        raise NothingToPatchError(
+            f"the {adapter.name} adapter could not read {type(model).__name__}: {_error_text(error)}"
+        ) from error
     sites = []
-    for site in map(adapter.verify, found):
+    for site in found:
+        try:
+            site = adapter.verify(site)
+        except Exception as error:  # e.g. a module whose call convention the probe does not fit
+            skipped.append(SkippedSite(site.path, site.class_name, f"verification raised {_error_text(error)}"))
+            continue
         if site.verified is False:
             skipped.append(SkippedSite(site.path, site.class_name, f"verification failed: {'; '.join(site.notes)}"))
         else:
@@ -103,12 +114,32 @@ def _plan(model: nn.Module, config: TargetConfig, strict: bool):
         if refused:
             raise PatchError("strict mode refuses approximate or unverified conversions: " + "; ".join(refused))
     params_before = _count_params(model)
+    replacements: dict[str, nn.Module] = {}
+    built = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        replacements = {site.path: config.build_layer(adapter.carry(site), site.layer_index) for site in chosen}
-    for site in chosen:
-        adapter.adapt_call(replacements[site.path], site)
-    return adapter, chosen, skipped + unselected, replacements, params_before
+        for site in chosen:
+            try:
+                replacements[site.path] = config.build_layer(adapter.carry(site), site.layer_index)
+                adapter.adapt_call(replacements[site.path], site)
+                built.append(site)
+            except (ConfigError, PatchError):  # the user's settings: refused whole, nothing changed
+                raise
+            except Exception as error:  # one module the target cannot be built for: skip it, say why
+                replacements.pop(site.path, None)
+                unselected.append(
+                    SkippedSite(site.path, site.class_name, f"could not build the replacement: {_error_text(error)}")
+                )
+    if not built:
+        listed = "; ".join(f"{s.path}: {s.reason}" for s in unselected)
+        raise NothingToPatchError(f"no replacement could be built ({listed})")
+    return adapter, built, skipped + unselected, replacements, params_before
+
+
+def _error_text(error: Exception) -> str:
+    """One line: the exception's type and first line."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
 
 
 def _report(adapter, model, config, chosen, skipped, replacements, params_before) -> PatchReport:
@@ -157,6 +188,7 @@ def patch_model(model: nn.Module, config: TargetConfig | None = None, *, strict:
         for path, new in replacements.items():
             new.layout_source = tracker.current
             originals[path] = _swap(model, path, new)
+            new.keep_original(originals[path])
     except BaseException:
         for path, old in originals.items():
             _swap(model, path, old)
@@ -164,6 +196,7 @@ def patch_model(model: nn.Module, config: TargetConfig | None = None, *, strict:
         raise
 
     report = _report(adapter, model, config, chosen, skipped, replacements, params_before)
+    close_scope(tracker)  # the report's probe of the native layout is no forward of the model's
     model.__dict__[STATE_ATTR] = PatchState(adapter, config, report, tracker, originals)
     return report
 
@@ -174,6 +207,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     if state is None:
         raise PatchError("model is not patched by vca_patch")
     for path, original in state.originals.items():
+        model.get_submodule(path).restore_into(original)  # parameters replaced since patching (assign=True, ...)
         _swap(model, path, original)
     state.adapter.remove_layout_tracker(model)
     del model.__dict__[STATE_ATTR]
