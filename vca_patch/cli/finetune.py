@@ -15,12 +15,24 @@ def finetune(
     recipe: Annotated[Path, typer.Option(help="Recipe YAML file (see recipes/)")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the recovered checkpoint")],
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint in --output")] = False,
-    cpu: Annotated[bool, typer.Option("--cpu", help="Run on the CPU even when a GPU is present")] = False,
+    device: Annotated[
+        str, typer.Option(help="auto (a CUDA GPU when present), cpu, cuda or cuda:N (one process)")
+    ] = "auto",
+    mixed_precision: Annotated[
+        str | None,
+        typer.Option(
+            "--mixed-precision",
+            "--dtype",
+            help="Autocast dtype: no (float32), bf16 (CPU too) or fp16 (CUDA); default: the recipe's "
+            "train.mixed_precision (auto: bf16 on a GPU that supports it). The weights stay float32.",
+        ),
+    ] = None,
+    cpu: Annotated[bool, typer.Option("--cpu", help="Same as --device cpu", hidden=True)] = False,
 ) -> None:
     """Recover CONVERTED with RECIPE; writes a loadable checkpoint, metrics.json and checkpoints/ to --output.
 
-    Runs on one device as is, or on several with `accelerate launch -m vca_patch.cli finetune ...`
-    (or torchrun); bf16 autocast where the GPU supports it (recipe train.mixed_precision).
+    Runs on one device as is, or on several with `accelerate launch -m vca_patch finetune ...`
+    (or torchrun); every stage runs on the chosen device, under the chosen autocast dtype.
     """
     from ..data import DatasetError
     from ..io import CheckpointError
@@ -35,7 +47,14 @@ def finetune(
         fail(str(exc), 2)
     if not resume and latest_checkpoint(output) is not None:
         fail(f"{output} already holds training checkpoints: pass --resume to continue, or choose a new --output", 2)
-    accelerator = make_accelerator(spec.train.mixed_precision, cpu or None)
+    try:
+        accelerator = make_accelerator(
+            mixed_precision or spec.train.mixed_precision,
+            device="cpu" if cpu else device,
+            grad_accum=spec.train.grad_accum,
+        )
+    except ValueError as exc:
+        fail(str(exc), 2)
     try:
         result = run(converted, spec, output, resume=resume, accelerator=accelerator)
     except (RecipeError, DatasetError, CheckpointError, FileNotFoundError) as exc:

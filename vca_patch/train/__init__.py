@@ -1,6 +1,7 @@
 """Recovery training: recipes (YAML schema), the accelerate-based engine, and `finetune`."""
 
-from .engine import RunResult, TrainingDiverged, evaluate, make_accelerator, run_recipe
+from .engine import RunResult, TrainingDiverged, make_accelerator, run_recipe
+from .evaluation import evaluate
 from .finetune import finetune, publish, teacher_from
 from .recipe import DataSpec, Recipe, RecipeError, StageSpec, TrainSpec, load_recipe, recipe_from_dict
 

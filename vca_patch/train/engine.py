@@ -1,38 +1,42 @@
 """The recipe engine: staged recovery of a patched model against its original, on Hugging Face accelerate.
 
-One code path for a CPU, one CUDA GPU or many processes (`accelerate launch`, torchrun): batches are
-drawn by a deterministic, step-indexed sampler sharded over processes, gradients are averaged over
-processes after each accumulation window, and only the main process evaluates and writes. Resuming
-from a checkpoint replays exactly the same batches, so results match an uninterrupted run.
+One code path for a CPU, one CUDA GPU or many processes (`accelerate launch`, torchrun). Per training
+stage the student (inside `RecoveryObjective`, whose forward is the stage's loss), the AdamW optimizer,
+the training loader and timm's warmup-cosine schedule go through `Accelerator.prepare`; micro-batches run
+under `accelerator.accumulate` / `accelerator.backward` (DDP averages the gradients), evaluation is sharded
+and collected with `gather_for_metrics`. Checkpoints are `save_state` folders (RNG states included) and the
+loader is a seeded, epoch-indexed sampler, so a resumed run replays the same batches and the same dropout
+and drop-path draws as an uninterrupted one. Losses stay tensors; the host reads them once per optimizer
+step (the divergence check), never per micro-batch.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
-from ..adapters.call_shims import attention_output, call_tokens
-from ..fidelity import features_and_logits, fidelity
 from ..io.atomic import atomic_write_text
 from ..recovery.calibrate import calibrate
-from ..recovery.capture import patched_modules
-from ..surgery import get_patch_state
-from .checkpoints import latest_checkpoint, load_training_state, save_training_state
-from .ema import ModelEma
-from .params import guard_lambdas, lambda_trace, parameter_groups
-from .recipe import Recipe, StageSpec
+from .checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, trainer_state
+from .evaluation import evaluate
+from .objective import RecoveryObjective
+from .optim import StageScheduler, stage_optimizer
+from .params import guard_lambdas, lambda_trace
+from .recipe import Recipe
+
+MIXED_PRECISION = {"auto": "auto", "no": "no", "bf16": "bf16", "fp16": "fp16"}
+_ALIASES = {"float32": "no", "fp32": "no", "none": "no", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+DEVICE_HELP = "auto, cpu, cuda or cuda:N"
 
 
 class TrainingDiverged(RuntimeError):
@@ -48,149 +52,125 @@ class RunResult:
     completed: bool
 
 
-def make_accelerator(mixed_precision: str = "auto", cpu: bool | None = None) -> Any:
-    """An `accelerate.Accelerator`; "auto" picks bf16 on a GPU that supports it, else full precision."""
-    from accelerate import Accelerator
-
-    if cpu is None:
-        cpu = not torch.cuda.is_available()
-    if mixed_precision == "auto":
-        mixed_precision = "bf16" if (not cpu and torch.cuda.is_bf16_supported()) else "no"
-    return Accelerator(mixed_precision=mixed_precision, cpu=cpu)
+def mixed_precision_mode(value: str) -> str:
+    """ "auto", "no", "bf16" or "fp16" from that or a dtype name (float32, bfloat16, float16)."""
+    key = value.strip().lower()
+    mode = MIXED_PRECISION.get(key) or _ALIASES.get(key)
+    if mode is None:
+        raise ValueError(f"mixed precision must be auto, no, bf16 or fp16 (or float32/bfloat16/float16), got {value!r}")
+    return mode
 
 
-class BatchStream:
-    """Deterministic batches indexed by micro-step: micro-step u covers positions [u·G, (u+1)·G) of
-    an endless sequence of seeded epoch permutations (G = per-process batch × processes); each
-    process takes its own slice. No loader state, so a resumed run sees the same batches."""
-
-    def __init__(self, dataset: Dataset, batch_size: int, rank: int, world: int, seed: int, workers: int = 0) -> None:
-        if len(dataset) == 0:
-            raise ValueError("the training set is empty")
-        self.dataset, self.batch_size, self.rank, self.world = dataset, batch_size, rank, world
-        self.seed, self.workers = seed, workers
-        self._perms: dict[int, torch.Tensor] = {}
-
-    def _perm(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._perms:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perms = {epoch: torch.randperm(len(self.dataset), generator=g)}
-        return self._perms[epoch]
-
-    def indices(self, micro_step: int) -> list[int]:
-        start = (micro_step * self.world + self.rank) * self.batch_size
-        n = len(self.dataset)
-        return [int(self._perm(p // n)[p % n]) for p in range(start, start + self.batch_size)]
-
-    def batches(self, start: int, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if isinstance(self.dataset, TensorDataset):
-            for u in range(start, start + count):
-                idx = torch.tensor(self.indices(u))
-                yield tuple(t[idx] for t in self.dataset.tensors)
-            return
-        sampler = [self.indices(u) for u in range(start, start + count)]
-        yield from DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.workers)
+def _use_cpu(device: str) -> bool:
+    """Whether `device` means the CPU; selects GPU N for "cuda:N" (one process only)."""
+    device = device.strip().lower()
+    if device == "auto":
+        return not torch.cuda.is_available()
+    if device == "cpu":
+        return True
+    match = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if match is None:
+        raise ValueError(f"device must be {DEVICE_HELP}, got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: no CUDA GPU is visible to torch (torch.cuda.is_available() is False)")
+    if match.group(1) is not None:
+        index = int(match.group(1))
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError(
+                f"device {device!r} names one GPU, but this is one of several processes (each uses its LOCAL_RANK "
+                "GPU): pass device 'cuda' or 'auto', and choose GPUs with CUDA_VISIBLE_DEVICES"
+            )
+        torch.cuda.set_device(index)
+    return False
 
 
-def _stage_lr(stage: StageSpec, step: int) -> float:
-    """Multiplier of the base lr at stage step `step`: linear warmup then cosine to min_lr_ratio."""
-    if step < stage.warmup_steps:
-        return (step + 1) / stage.warmup_steps
-    progress = (step - stage.warmup_steps) / max(1, stage.steps - stage.warmup_steps)
-    return stage.min_lr_ratio + (1 - stage.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+def make_accelerator(
+    mixed_precision: str = "auto", cpu: bool | None = None, *, device: str = "auto", grad_accum: int = 1
+) -> Any:
+    """An `accelerate.Accelerator` for the engine.
+
+    device: "auto" (a CUDA GPU when there is one; under `accelerate launch`/torchrun each process's LOCAL_RANK
+    GPU), "cpu", "cuda" or "cuda:N" (one process). `cpu=True` is the same as device="cpu".
+    mixed_precision: "auto" (bf16 on a GPU that supports it, else full precision), "no", "bf16" (CPU too)
+    or "fp16" (CUDA only, with a gradient scaler). The weights stay in their own dtype; forwards run under
+    autocast.
+    """
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+    from accelerate.utils import GradientAccumulationPlugin
+
+    use_cpu = True if cpu else _use_cpu(device)
+    mode = mixed_precision_mode(mixed_precision)
+    if mode == "auto":
+        mode = "bf16" if (not use_cpu and torch.cuda.is_bf16_supported()) else "no"
+    if mode == "fp16" and use_cpu:
+        raise ValueError("fp16 mixed precision needs a CUDA GPU; on the CPU use bf16")
+    return Accelerator(
+        mixed_precision=mode,
+        cpu=use_cpu,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=grad_accum, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+    )
 
 
-def _optimizer(model: nn.Module, stage: StageSpec) -> torch.optim.Optimizer:
-    groups = parameter_groups(model)
-    lrs = {"new": stage.lr, "lambda": stage.lambda_lr, "carried": stage.carried_lr, "rest": stage.rest_lr}
-    if stage.kind == "attention_transfer":
-        lrs["rest"] = 0.0  # outside attention nothing is in the loss
-    param_groups = []
-    for name, params in groups.items():
-        for _, p in params:
-            p.requires_grad_(lrs[name] > 0)
-        trainable = [p for _, p in params if lrs[name] > 0]
-        if trainable:
-            wd = stage.weight_decay if name in ("carried", "rest") else 0.0
-            param_groups.append({"params": trainable, "lr": lrs[name], "base_lr": lrs[name], "weight_decay": wd})
-    if not param_groups:
-        raise ValueError(f"stage {stage.name!r} trains nothing: every learning rate is 0")
-    return torch.optim.AdamW(param_groups, betas=(0.9, 0.999))
+def _configure(accelerator: Any, grad_accum: int) -> None:
+    """The settings the loop relies on, also on an accelerator made elsewhere: `grad_accum` micro-batches per
+    update, also across epoch ends, and the schedule stepped once per update (not once per process)."""
+    accelerator.gradient_state.plugin_kwargs.update(num_steps=grad_accum, sync_with_dataloader=False)
+    accelerator.step_scheduler_with_optimizer = False
 
 
-def _transfer_loss(student: nn.Module, teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Mean over layers of ‖VCA(x_l) − MHSA(x_l)‖² / ‖MHSA(x_l)‖², x_l the teacher's layer input."""
-    paths = list(patched_modules(student))
-    captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    handles = [
-        teacher.get_submodule(p).register_forward_hook(
-            lambda m, a, k, o, path=p, store=captured: store.__setitem__(
-                path, (call_tokens(a, k).detach(), attention_output(o).detach())
-            ),
-            with_kwargs=True,
-        )
-        for p in paths
-    ]
-    try:
-        with torch.no_grad():
-            features_and_logits(teacher, x)
-    finally:
-        for h in handles:
-            h.remove()
-    state = get_patch_state(student)
-    state.adapter.embedding_module(student)(x)  # sets the token layout (grid) for this input
-    layout = state.tracker.current()
-    losses = []
-    for p in paths:
-        inp, target = captured[p]
-        out = attention_output(student.get_submodule(p)(inp, layout=layout))
-        losses.append((out.float() - target.float()).pow(2).sum() / target.float().pow(2).sum().clamp_min(1e-12))
-    return torch.stack(losses).mean()
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _distill_loss(
-    student: nn.Module, teacher: nn.Module, x: torch.Tensor, y: torch.Tensor | None, stage: StageSpec
-) -> torch.Tensor:
-    with torch.no_grad():
-        t_feat, t_logits = features_and_logits(teacher, x)
-    s_feat, s_logits = features_and_logits(student, x)
-    if t_logits is not None:
-        T = stage.kd_temperature
-        loss = F.kl_div(
-            F.log_softmax(s_logits.float() / T, -1),
-            F.log_softmax(t_logits.float() / T, -1),
-            reduction="batchmean",
-            log_target=True,
-        ) * (T * T)
-        if stage.label_weight > 0 and y is not None:
-            target = y if y.ndim == 2 else F.one_hot(y, s_logits.shape[-1]).float()
-            ce = torch.sum(-target * F.log_softmax(s_logits.float(), -1), dim=-1).mean()
-            loss = loss + stage.label_weight * ce
-        return loss
-    # No head: cosine on the prefix token 0 and the patch tokens.
-    cos = F.cosine_similarity(s_feat.float(), t_feat.float(), dim=-1)
-    return (1 - cos).mean()
+def _train_loader(dataset: Dataset, batch_size: int, workers: int, world: int, seed: int) -> DataLoader:
+    """Shuffled, full batches; epoch e's order comes from seed + e (accelerate's SeedableRandomSampler), and the
+    loader's own generator (worker seeds) is reseeded per epoch, so no draw touches the global RNG."""
+    from accelerate.data_loader import SeedableRandomSampler
+
+    if len(dataset) < batch_size * world:
+        raise ValueError(f"the training set has {len(dataset)} images, fewer than one batch ({batch_size} x {world})")
+    sampler = SeedableRandomSampler(dataset, generator=torch.Generator(), data_seed=seed)
+    return DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, drop_last=True, num_workers=workers,
+        generator=torch.Generator(),
+    )  # fmt: skip
 
 
-def _sync_gradients(params: list[nn.Parameter], world: int) -> None:
-    if world <= 1:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for p, g in zip(params, grads, strict=True):
-        p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
-        offset += g.numel()
+def _batches(accelerator: Any, loader: Any, seed: int, start: int) -> Iterator[Any]:
+    """Endless micro-batches from position `start` of the sequence epoch 0, epoch 1, ... of `loader`."""
+    per_epoch = len(loader)
+    epoch, skip = divmod(start, per_epoch)
+    while True:
+        loader.set_epoch(epoch)
+        loader.generator.manual_seed(seed * 1_000_003 + epoch)
+        yield from accelerator.skip_first_batches(loader, skip) if skip else loader
+        epoch, skip = epoch + 1, 0
 
 
-def _any_process(flag: bool, device: torch.device, world: int) -> bool:
-    if world <= 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t)
-    return bool(t.item() > 0)
+class _Window:
+    """Loss (a device tensor) and throughput since the last evaluation."""
+
+    def __init__(self, device: torch.device, saved: dict[str, float] | None = None) -> None:
+        saved = saved or {}
+        self.loss = torch.tensor(saved.get("loss", 0.0), device=device)
+        self.count, self.images, self.time = int(saved.get("count", 0)), saved.get("images", 0), saved.get("time", 0.0)
+
+    def add(self, loss: torch.Tensor, images: int, seconds: float) -> None:
+        self.loss += loss
+        self.count, self.images, self.time = self.count + 1, self.images + images, self.time + seconds
+
+    def mean_loss(self) -> float:
+        return float(self.loss) / max(1, self.count)
+
+    def throughput(self) -> float:
+        return self.images / max(self.time, 1e-9)
+
+    def state(self) -> dict[str, float]:
+        return {"loss": float(self.loss), "count": self.count, "images": self.images, "time": self.time}
 
 
 class _Progress:
@@ -218,11 +198,13 @@ class _Progress:
             self.bar.start()
         self.console = console
 
-    def update(self, stage: str, step: int, info: str, log: bool) -> None:
+    def update(self, stage: str, step: int, info: str | None, log: bool) -> None:
+        """Advance to `step`; `info` (None: keep the last) is shown on the bar, or printed when `log`."""
         if not self.enabled:
             return
         if self.bar is not None:
-            self.bar.update(self.task, completed=step, description=stage, info=info)
+            extra = {"info": info} if info is not None else {}
+            self.bar.update(self.task, completed=step, description=stage, **extra)
         elif log:
             self.console.print(f"[{stage}] step {step} {info}", highlight=False)
 
@@ -235,17 +217,13 @@ class _Progress:
             self.bar.stop()
 
 
-def evaluate(student: nn.Module, teacher: nn.Module, eval_set: Dataset | None, images: int) -> dict[str, Any]:
-    """Fidelity to the teacher (and accuracy when labelled) on the first `images` eval images."""
-    if eval_set is None:
-        return {}
-    device = next(student.parameters()).device
-    n = min(images, len(eval_set))
-    batches = (
-        (x.to(device), y.to(device)) for x, y in DataLoader(torch.utils.data.Subset(eval_set, range(n)), batch_size=128)
-    )
-    report = fidelity(teacher, student, batches)
-    return {**report.summary(), "layer_error": report.layer_error}
+def _new_ema(student: nn.Module, decay: float) -> nn.Module:
+    from timm.utils.model_ema import ModelEmaV3
+
+    ema = ModelEmaV3(student, decay=decay)
+    for p in ema.parameters():
+        p.requires_grad_(False)
+    return ema
 
 
 def run_recipe(
@@ -264,165 +242,135 @@ def run_recipe(
 ) -> RunResult:
     """Run every stage of `recipe` on `student` (patched) against `teacher` (the original, frozen).
 
-    Writes output/metrics.json (every evaluation) and output/checkpoints/step_*.pt every
-    `train.checkpoint_every` optimizer steps. `resume` continues from the latest checkpoint.
-    `stop_after_steps` stops (after checkpointing) at that global step, as an interruption would.
-    Raises TrainingDiverged on a NaN/inf loss; the last good checkpoint stays on disk.
+    Both models run on the accelerator's device, in the student's dtype (mixed precision per the
+    accelerator). Writes output/metrics.json (every evaluation) and output/checkpoints/step_*/ every
+    `train.checkpoint_every` optimizer steps and at the end of each stage. `resume` continues from the
+    latest checkpoint (same number of processes). `stop_after_steps` stops (after checkpointing) at that
+    global step, as an interruption would. Raises TrainingDiverged on a NaN/inf loss; the last good
+    checkpoint stays on disk.
     """
+    from accelerate.utils import set_seed
+
     output = Path(output)
     tr = recipe.train
-    accelerator = accelerator or make_accelerator(tr.mixed_precision)
-    device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
-    main = accelerator.is_main_process
-    torch.manual_seed(tr.seed)
+    accelerator = accelerator or make_accelerator(tr.mixed_precision, grad_accum=tr.grad_accum)
+    _configure(accelerator, tr.grad_accum)
+    device, world, main = accelerator.device, accelerator.num_processes, accelerator.is_main_process
+    set_seed(tr.seed)
     student.to(device)
     teacher.to(device).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
-    stream = BatchStream(train_set, tr.batch_size, rank, world, tr.seed, recipe.data.num_workers)
+    dtype = _model_dtype(student)
+    loader = _train_loader(train_set, tr.batch_size, recipe.data.num_workers, world, tr.seed)
     mixup = None
     if recipe.data.mixup > 0 or recipe.data.cutmix > 0:
         from ..data import mixup_fn
 
         mixup = mixup_fn(recipe.data, num_classes)
-    ema = ModelEma(student, tr.ema_decay) if tr.ema_decay > 0 else None
+    ema = _new_ema(student, tr.ema_decay) if tr.ema_decay > 0 else None
 
     metrics: dict[str, Any] = {
         "recipe": recipe.name,
         "status": "running",
         "world_size": world,
-        "device": str(device),
+        "device": str(next(student.parameters()).device),
         "mixed_precision": accelerator.mixed_precision,
         "global_batch": tr.batch_size * world * tr.grad_accum,
         **(extra_metrics or {}),
         "evaluations": [],
     }
-    global_step = stage_index = stage_step = micro_step = 0
-    opt_state = None
+    global_step = stage_index = stage_step = 0
+    ckpt, saved_window = None, None
     if resume:
         ckpt = latest_checkpoint(output)
         if ckpt is None:
             raise FileNotFoundError(f"--resume: no checkpoint under {output}/checkpoints")
-        state = load_training_state(ckpt)
-        student.load_state_dict(state["model"])
-        if ema is not None and state.get("ema") is not None:
-            ema.load_state_dict(state["ema"])
-        global_step, stage_index, stage_step = state["global_step"], state["stage_index"], state["stage_step"]
-        micro_step, opt_state = state["micro_step"], state["optimizer"]
-        metrics["evaluations"] = state["evaluations"]
-        metrics["before"] = state.get("before", {})
+        progress_state = trainer_state(ckpt)
+        global_step, stage_index, stage_step = (progress_state[k] for k in ("global_step", "stage_index", "stage_step"))
+        metrics["evaluations"] = progress_state["evaluations"]
+        metrics["before"] = progress_state.get("before", {})
         metrics["resumed_from"] = global_step
+        saved_window = progress_state.get("window")
 
     def write_metrics() -> None:
         if main:
             output.mkdir(parents=True, exist_ok=True)
             atomic_write_text(output / "metrics.json", json.dumps(metrics, indent=2) + "\n")
 
-    def checkpoint(optimizer: torch.optim.Optimizer | None, window: dict[str, float]) -> None:
-        if main:
-            save_training_state(
-                output,
-                global_step,
-                {
-                    "global_step": global_step,
-                    "stage_index": stage_index,
-                    "stage_step": stage_step,
-                    "micro_step": micro_step,
-                    "model": student.state_dict(),
-                    "ema": ema.state_dict() if ema is not None else None,
-                    "optimizer": optimizer.state_dict() if optimizer is not None else None,
-                    "evaluations": metrics["evaluations"],
-                    "before": metrics.get("before", {}),
-                    "window": dict(window),
-                },
-                keep=tr.keep_checkpoints,
-            )
-        accelerator.wait_for_everyone()
+    def eval_now(model: nn.Module) -> dict[str, Any]:
+        return evaluate(model, teacher, eval_set, tr.eval_images, accelerator)
 
-    if not resume and main:
-        metrics["before"] = {k: v for k, v in evaluate(student, teacher, eval_set, tr.eval_images).items()}
+    if not resume:
+        metrics["before"] = eval_now(student)
     progress = _Progress(main, recipe.total_steps, global_step)
     completed = True
     try:
         while stage_index < len(recipe.stages):
             stage = recipe.stages[stage_index]
             if stage.kind == "calibrate":
-                n = stage.calibration_images
-                calib = [
-                    (x.to(device), y)
-                    for x, y in DataLoader(
-                        torch.utils.data.Subset(train_set, range(min(n, len(train_set)))), batch_size=64
-                    )
-                ]
+                subset = Subset(train_set, range(min(stage.calibration_images, len(train_set))))
+                calib = [(x.to(device=device, dtype=dtype), y) for x, y in DataLoader(subset, batch_size=64)]
                 report = calibrate(student, calib)
                 before, after = report.mean_error("init"), report.mean_error()
                 progress.print(f"[{stage.name}] calibrated: mean layer error {before:.3f} -> {after:.3f}")
                 stage_index, stage_step = stage_index + 1, 0
                 if ema is not None:
-                    ema = ModelEma(student, tr.ema_decay)
+                    ema = _new_ema(student, tr.ema_decay)
                 continue
-            optimizer = _optimizer(student, stage)
-            if opt_state is not None:
-                optimizer.load_state_dict(opt_state)
-                opt_state = None
+            accelerator.free_memory()
+            across = (lambda t: accelerator.reduce(t, "mean")) if world > 1 else None
+            objective = RecoveryObjective(student, teacher, stage, across)
+            optimizer = stage_optimizer(student, stage)
+            scheduler = StageScheduler(optimizer, stage)
+            model, optimizer, train_loader, scheduler = accelerator.prepare(objective, optimizer, loader, scheduler)
+            window = _Window(device)
+            if ckpt is not None:
+                load_checkpoint(accelerator, ckpt, ema.module if ema is not None else None)
+                window, ckpt = _Window(device, saved_window), None
             trainable = [p for g in optimizer.param_groups for p in g["params"]]
-            window = {"loss": 0.0, "count": 0, "images": 0, "time": 0.0}
-            if resume and metrics.get("resumed_from") == global_step and "window" in state:
-                window.update(state["window"])
-            student.train()
+            batches = _batches(accelerator, train_loader, tr.seed, global_step * tr.grad_accum)
+            model.train()
             while stage_step < stage.steps:
                 tick = time.monotonic()
-                factor = _stage_lr(stage, stage_step)
-                for group in optimizer.param_groups:
-                    group["lr"] = group["base_lr"] * factor
-                optimizer.zero_grad(set_to_none=True)
-                step_loss = 0.0
-                for x, y in stream.batches(micro_step, tr.grad_accum):
-                    x, y = x.to(device), y.to(device)
+                step_loss = torch.zeros((), device=device)
+                for _ in range(tr.grad_accum):
+                    x, y = next(batches)
                     if mixup is not None and stage.kind == "distill":
-                        np.random.seed((tr.seed * 7919 + micro_step) % 2**32)
-                        torch.manual_seed(tr.seed * 7919 + micro_step)
                         x, y = mixup(x, y)
-                    with accelerator.autocast():
-                        if stage.kind == "attention_transfer":
-                            loss = _transfer_loss(student, teacher, x)
-                        else:
-                            loss = _distill_loss(student, teacher, x, y, stage)
-                    bad = _any_process(not bool(torch.isfinite(loss.detach())), device, world)
-                    if bad:
-                        metrics.update(status="diverged", diverged_at_step=global_step + 1, stage=stage.name)
-                        write_metrics()
-                        last = latest_checkpoint(output)
-                        raise TrainingDiverged(
-                            f"loss became {float(loss.detach()):.3g} at step {global_step + 1} (stage {stage.name!r}, "
-                            f"stage step {stage_step + 1}); stopped before applying it. Last good checkpoint: "
-                            f"{last or 'none (no checkpoint written yet)'}"
-                        )
-                    (loss / tr.grad_accum).backward()
-                    step_loss += float(loss.detach()) / tr.grad_accum
-                    micro_step += 1
-                _sync_gradients(trainable, world)
-                if tr.grad_clip > 0:
-                    nn.utils.clip_grad_norm_(trainable, tr.grad_clip)
-                optimizer.step()
+                    x = x.to(dtype=dtype)
+                    with accelerator.accumulate(model):
+                        loss = model(x, y)
+                        accelerator.backward(loss)
+                        step_loss += loss.detach()
+                        if accelerator.sync_gradients:
+                            step_loss = accelerator.reduce(step_loss, "mean") / tr.grad_accum
+                            if not bool(torch.isfinite(step_loss)):  # the one host sync per optimizer step
+                                metrics.update(status="diverged", diverged_at_step=global_step + 1, stage=stage.name)
+                                write_metrics()
+                                last = latest_checkpoint(output)
+                                raise TrainingDiverged(
+                                    f"loss became {float(step_loss):.3g} at step {global_step + 1} (stage "
+                                    f"{stage.name!r}, stage step {stage_step + 1}); stopped before applying it. "
+                                    f"Last good checkpoint: {last or 'none (no checkpoint written yet)'}"
+                                )
+                            if tr.grad_clip > 0:
+                                accelerator.clip_grad_norm_(trainable, tr.grad_clip)
+                            lr_now = optimizer.param_groups[0]["lr"]
+                        optimizer.step()
+                        if accelerator.sync_gradients:
+                            scheduler.step()
+                        optimizer.zero_grad(set_to_none=True)
                 if tr.lambda_guard == "clamp":
                     guard_lambdas(student, tr.lambda_max)
                 if ema is not None:
                     ema.update(student)
                 global_step += 1
                 stage_step += 1
-                window["loss"] += step_loss
-                window["count"] += 1
-                window["images"] += tr.batch_size * world * tr.grad_accum
-                window["time"] += time.monotonic() - tick
-                throughput = window["images"] / max(window["time"], 1e-9)
-                lr_now = optimizer.param_groups[0]["lr"]
-                progress.update(
-                    stage.name,
-                    global_step,
-                    f"loss {step_loss:.4f}  lr {lr_now:.2e}  {throughput:.0f} img/s",
-                    global_step % tr.log_every == 0,
-                )
+                window.add(step_loss, tr.batch_size * world * tr.grad_accum, time.monotonic() - tick)
+                log = global_step % tr.log_every == 0
+                info = f"loss {float(step_loss):.4f}  lr {lr_now:.2e}  {window.throughput():.0f} img/s" if log else None
+                progress.update(stage.name, global_step, info, log)
                 last_of_stage = stage_step == stage.steps
                 if global_step % tr.eval_every == 0 or last_of_stage:
                     record: dict[str, Any] = {
@@ -430,40 +378,47 @@ def run_recipe(
                         "kind": stage.kind,
                         "step": global_step,
                         "stage_step": stage_step,
-                        "loss": window["loss"] / max(1, window["count"]),
+                        "loss": window.mean_loss(),
                         "lr": lr_now,
-                        "images_per_s": throughput,
+                        "images_per_s": window.throughput(),
                         "lambda": lambda_trace(student),
                     }
-                    if main:
-                        record.update(evaluate(student, teacher, eval_set, tr.eval_images))
-                        if ema is not None:
-                            ema_eval = evaluate(ema.module, teacher, eval_set, tr.eval_images)
-                            record["ema"] = {k: v for k, v in ema_eval.items() if k != "layer_error"}
-                        student.train()
+                    record.update(eval_now(student))
+                    if ema is not None:
+                        record["ema"] = {k: v for k, v in eval_now(ema.module).items() if k != "layer_error"}
+                    model.train()
                     metrics["evaluations"].append(record)
-                    window = {"loss": 0.0, "count": 0, "images": 0, "time": 0.0}
+                    window = _Window(device)
                     write_metrics()
-                if last_of_stage:
-                    stage_index, stage_step = stage_index + 1, 0
                 if global_step % tr.checkpoint_every == 0 or last_of_stage:
-                    checkpoint(optimizer if not last_of_stage else None, window)
+                    progress_state = {
+                        "global_step": global_step,
+                        "stage_index": stage_index,
+                        "stage_step": stage_step,
+                        "evaluations": metrics["evaluations"],
+                        "before": metrics.get("before", {}),
+                        "window": window.state(),
+                    }
+                    save_checkpoint(
+                        accelerator, output, global_step, progress_state, ema.module if ema else None,
+                        keep=tr.keep_checkpoints,
+                    )  # fmt: skip
                 if stop_after_steps is not None and global_step >= stop_after_steps:
                     completed = False
                     break
-                if last_of_stage:
-                    break
             if not completed:
                 break
+            stage_index, stage_step = stage_index + 1, 0
     finally:
         progress.close()
+        accelerator.free_memory()
     student.eval()
     final_model = ema.module if ema is not None else student
     if completed:
         metrics["status"] = "completed"
-        metrics["final"] = {k: v for k, v in metrics["evaluations"][-1].items()} if metrics["evaluations"] else {}
-        if ema is not None and main:
-            metrics["final"] = {**evaluate(ema.module, teacher, eval_set, tr.eval_images), "weights": "ema"}
+        metrics["final"] = dict(metrics["evaluations"][-1]) if metrics["evaluations"] else {}
+        if ema is not None:
+            metrics["final"] = {**eval_now(ema.module), "weights": "ema"}
     else:
         metrics["status"] = "interrupted"
     write_metrics()

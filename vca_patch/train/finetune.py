@@ -77,10 +77,19 @@ def finetune(
     resume: bool = False,
     stop_after_steps: int | None = None,
     accelerator: Any = None,
+    device: str = "auto",
+    mixed_precision: str | None = None,
 ) -> RunResult:
-    """Recover a converted checkpoint with a recipe; writes a loadable checkpoint and metrics.json to `output`."""
+    """Recover a converted checkpoint with a recipe; writes a loadable checkpoint and metrics.json to `output`.
+
+    Without an `accelerator`, one is made for `device` ("auto", "cpu", "cuda", "cuda:N") and `mixed_precision`
+    ("auto", "no", "bf16", "fp16"; default: the recipe's train.mixed_precision).
+    """
     converted, output = Path(converted), Path(output)
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    accelerator = accelerator or make_accelerator(
+        mixed_precision or recipe.train.mixed_precision, device=device, grad_accum=recipe.train.grad_accum
+    )
     meta = read_checkpoint_config(converted)
     student = from_pretrained(converted)
     teacher = teacher_from(student)
@@ -89,7 +98,6 @@ def finetune(
     model_cfg["input_size"] = model_input_size(student)
     train_set = build_dataset(recipe.data, "train", training=True, img_size=height, model_cfg=model_cfg)
     eval_set = build_dataset(recipe.data, "eval", training=False, img_size=height, model_cfg=model_cfg)
-    accelerator = accelerator or make_accelerator(recipe.train.mixed_precision)
     result = run_recipe(
         student,
         teacher,

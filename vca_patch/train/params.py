@@ -36,12 +36,13 @@ def parameter_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter
 
 
 @torch.no_grad()
-def clamp_lambda(lam: DifferentialLambda, low: float = 0.0, high: float = 0.95) -> bool:
+def clamp_lambda(lam: DifferentialLambda, low: float = 0.0, high: float = 0.95, value: float | None = None) -> bool:
     """Project λ = exp⟨q1,k1⟩ − exp⟨q2,k2⟩ + λ_init back into [low, high] by moving q2 along k2.
 
-    Returns True when it had to move. The vectors stay non-zero, so λ keeps its gradient.
+    Returns True when it had to move. The vectors stay non-zero, so λ keeps its gradient. `value`: λ if
+    already read.
     """
-    value = float(lam())
+    value = float(lam()) if value is None else value
     if low - 1e-5 <= value <= high + 1e-5:  # float32 round-off of a previous clamp is not a violation
         return False
     goal = min(max(value, low), high)
@@ -56,13 +57,14 @@ def clamp_lambda(lam: DifferentialLambda, low: float = 0.0, high: float = 0.95) 
     return True
 
 
+@torch.no_grad()
 def guard_lambdas(model: nn.Module, high: float) -> int:
-    """Clamp every VCA layer's λ₁, λ₂ into [0, high]; returns how many were moved."""
-    moved = 0
-    for m in model.modules():
-        if isinstance(m, VisualContrastAttention):
-            moved += clamp_lambda(m.lambda1, 0.0, high) + clamp_lambda(m.lambda2, 0.0, high)
-    return moved
+    """Clamp every VCA layer's λ₁, λ₂ into [0, high]; returns how many were moved. Reads all λ in one transfer."""
+    lams = [lam for m in model.modules() if isinstance(m, VisualContrastAttention) for lam in (m.lambda1, m.lambda2)]
+    if not lams:
+        return 0
+    values = torch.stack([lam().reshape(()).double() for lam in lams]).tolist()
+    return sum(clamp_lambda(lam, 0.0, high, value) for lam, value in zip(lams, values, strict=True))
 
 
 def lambda_trace(model: nn.Module) -> list[list[float]]:

@@ -46,7 +46,7 @@ class TrainSpec:
 
     batch_size: int = 64
     grad_accum: int = 1
-    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     seed: int = 0
     ema_decay: float = 0.0
     checkpoint_every: int = 100

@@ -1,0 +1,143 @@
+"""The recovery losses, and the module that holds the student and computes a stage's loss in its forward.
+
+Each loss of a global batch split over processes (each process's loss, averaged by DDP) is exactly the
+loss of that batch on one process: distillation is a mean of per-image terms, and attention transfer's
+denominator (the teacher's output energy, a constant) is averaged over processes first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..adapters.call_shims import attention_output, call_tokens
+from ..attention.layout import TokenLayout
+from ..fidelity import features_and_logits
+from ..recovery.capture import patched_modules
+from ..surgery import get_patch_state
+from .recipe import StageSpec
+
+
+@contextlib.contextmanager
+def recorded_layout(model: nn.Module) -> Iterator[list[TokenLayout]]:
+    """Record the token layout of each forward of the patched `model` (read from its embedding module)."""
+    state = get_patch_state(model)
+    seen: list[TokenLayout] = []
+    handle = state.adapter.embedding_module(model).register_forward_hook(
+        lambda m, a, k, o: seen.append(state.adapter.layout_from_embedding(m, a, k, o)), with_kwargs=True
+    )
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def teacher_attention(
+    teacher: nn.Module, paths: list[str], x: torch.Tensor
+) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor | None]:
+    """Each attention site's (input tokens, output) in the frozen teacher on `x`, and its features and logits."""
+    captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    handles = [
+        teacher.get_submodule(p).register_forward_hook(
+            lambda m, a, k, o, path=p: captured.__setitem__(path, (call_tokens(a, k).detach(), attention_output(o))),
+            with_kwargs=True,
+        )
+        for p in paths
+    ]
+    try:
+        with torch.no_grad():
+            features, logits = features_and_logits(teacher, x)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured, features, logits
+
+
+def per_image_error(out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(‖out − target‖², ‖target‖²) per image, in float32 or wider."""
+    dtype = torch.promote_types(out.dtype, torch.float32)
+    diff = (out.to(dtype) - target.to(dtype)).pow(2).flatten(1).sum(1)
+    return diff, target.to(dtype).pow(2).flatten(1).sum(1)
+
+
+def transfer_loss(
+    student: nn.Module,
+    teacher: nn.Module,
+    x: torch.Tensor,
+    across: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Mean over layers of Σ‖VCA(x_l) − MHSA(x_l)‖² / Σ‖MHSA(x_l)‖² over the batch, x_l the teacher's layer input.
+
+    `across` averages the (constant) denominators over processes, so each process's share of the loss
+    adds up to the loss of the whole global batch.
+    """
+    paths = list(patched_modules(student))
+    captured, _, _ = teacher_attention(teacher, paths, x)
+    with recorded_layout(student) as seen:
+        get_patch_state(student).adapter.embedding_module(student)(x)  # the token layout (grid) of this input
+    layout = seen[-1]
+    errors, refs = [], []
+    for p in paths:
+        inp, target = captured[p]
+        err, ref = per_image_error(attention_output(student.get_submodule(p)(inp, layout=layout)), target)
+        errors.append(err.sum())
+        refs.append(ref.sum())
+    ref_sums = torch.stack(refs)
+    if across is not None:
+        ref_sums = across(ref_sums)
+    return (torch.stack(errors) / ref_sums.clamp_min(1e-12)).mean()
+
+
+def distill_loss(
+    student: nn.Module, teacher: nn.Module, x: torch.Tensor, y: torch.Tensor | None, stage: StageSpec
+) -> torch.Tensor:
+    """KL(teacher ‖ student) on logits at temperature T (+ label cross-entropy), or feature cosine without a head."""
+    with torch.no_grad():
+        t_feat, t_logits = features_and_logits(teacher, x)
+    s_feat, s_logits = features_and_logits(student, x)
+    if t_logits is not None:
+        T = stage.kd_temperature
+        loss = F.kl_div(
+            F.log_softmax(s_logits.float() / T, -1),
+            F.log_softmax(t_logits.float() / T, -1),
+            reduction="batchmean",
+            log_target=True,
+        ) * (T * T)
+        if stage.label_weight > 0 and y is not None:
+            target = y.float() if y.ndim == 2 else F.one_hot(y, s_logits.shape[-1]).float()
+            ce = torch.sum(-target * F.log_softmax(s_logits.float(), -1), dim=-1).mean()
+            loss = loss + stage.label_weight * ce
+        return loss
+    cos = F.cosine_similarity(s_feat.float(), t_feat.float(), dim=-1)  # no head: prefix token 0 and patch tokens
+    return (1 - cos).mean()
+
+
+class RecoveryObjective(nn.Module):
+    """The student as a submodule and the stage's loss as `forward(x, y)`, for `Accelerator.prepare`.
+
+    Going through this forward is what lets DDP synchronise the gradients of every stage, including
+    attention transfer, which calls the student's layers one by one. The frozen teacher is held outside
+    the module tree: it is in neither the state dict (checkpoints) nor DDP's parameters.
+    """
+
+    def __init__(
+        self,
+        student: nn.Module,
+        teacher: nn.Module,
+        stage: StageSpec,
+        across: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__()
+        self.student = student
+        self.stage = stage
+        self.across = across  # mean over processes (None: one process)
+        object.__setattr__(self, "teacher", teacher)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        if self.stage.kind == "attention_transfer":
+            return transfer_loss(self.student, self.teacher, x, self.across)
+        return distill_loss(self.student, self.teacher, x, y, self.stage)
