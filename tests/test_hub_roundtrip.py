@@ -52,9 +52,12 @@ def test_merged_and_delta_round_trips_give_identical_outputs(tmp_path, name):
         model, tmp_path / "delta", model_args=args, form="delta", base_weights=tmp_path / "base.safetensors"
     )
     expected = _out(model)
-    merged, delta = vca_patch.from_pretrained(tmp_path / "merged"), vca_patch.from_pretrained(tmp_path / "delta")
+    merged = vca_patch.from_pretrained(tmp_path / "merged")
+    delta = vca_patch.from_pretrained(tmp_path / "delta", base_weights=tmp_path / "base.safetensors")
     assert torch.equal(_out(merged), expected)
     assert torch.equal(_out(delta), expected)
+    with pytest.raises(DeltaError, match=r"path written in config\.json is not followed.*base_weights=PATH"):
+        vca_patch.from_pretrained(tmp_path / "delta")  # the recorded local path alone is not enough
 
     meta = json.loads((tmp_path / "delta" / "config.json").read_text())
     assert meta["checkpoint_form"] == "delta" and meta["format_version"] == 1
@@ -93,10 +96,10 @@ def test_delta_refuses_base_weights_that_are_not_the_base(tmp_path):
     other = {k: v + 1 if v.is_floating_point() else v for k, v in base.items()}
     save_file(other, str(tmp_path / "base.safetensors"))
     with pytest.raises(DeltaError, match="fingerprint mismatch"):
-        vca_patch.from_pretrained(tmp_path / "d")
+        vca_patch.from_pretrained(tmp_path / "d", base_weights=tmp_path / "base.safetensors")
     (tmp_path / "base.safetensors").unlink()
-    with pytest.raises(DeltaError, match="do not exist"):
-        vca_patch.from_pretrained(tmp_path / "d")
+    with pytest.raises(DeltaError, match="does not exist"):
+        vca_patch.from_pretrained(tmp_path / "d", base_weights=tmp_path / "base.safetensors")
 
 
 def _cache_base(cache: Path, hub_id: str, base: dict) -> str:
@@ -140,10 +143,12 @@ def test_timm_create_model_loads_converted_checkpoints_from_a_folder(tmp_path):
         model, tmp_path / "d", model_args=args, form="delta", base_weights=tmp_path / "base.safetensors"
     )
     expected = _out(model)
-    for folder in ("m", "d"):
-        loaded = timm.create_model(f"local-dir:{tmp_path / folder}", pretrained=True)
+    for folder, extra in (("m", {}), ("d", {"base_weights": tmp_path / "base.safetensors"})):
+        loaded = timm.create_model(f"local-dir:{tmp_path / folder}", pretrained=True, **extra)
         assert torch.equal(_out(loaded), expected)
         assert loaded.pretrained_cfg["architecture"] == "vca_patch"
+    with pytest.raises(DeltaError, match="not followed"):
+        timm.create_model(f"local-dir:{tmp_path / 'd'}", pretrained=True)
 
     fresh = timm.create_model(f"local-dir:{tmp_path / 'm'}")  # timm's default: architecture, fresh weights
     assert fresh.state_dict().keys() == model.state_dict().keys()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,19 +20,24 @@ def from_pretrained(
     device: str | torch.device = "cpu",
     cache_dir: str | Path | None = None,
     token: str | None = None,
+    base_weights: str | Path | dict[str, Any] | None = None,
+    base_state_dict: dict[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """Rebuild a converted model, in eval mode, from a `save_pretrained` folder or a Hub repo id.
 
     A repo id is fetched into the Hugging Face cache (config.json, then the weights file it names, at
     `revision`: a branch, tag or commit); a cached repo loads offline. Delta checkpoints also fetch
-    their base weights.
+    the Hub base weights their config.json names, or take `base_weights` (a local file or
+    "org/name@revision") / `base_state_dict` from the caller; a local path written in config.json is never
+    followed by itself.
     """
+    base = {"base_weights": base_weights, "base_state_dict": base_state_dict}
     if is_local(repo_id_or_dir):
         if revision is not None:
             raise ValueError(f"revision={revision!r} applies to Hub repos; {repo_id_or_dir} is a local folder")
-        return checkpoint.from_pretrained(Path(repo_id_or_dir).expanduser(), device=device)
+        return checkpoint.from_pretrained(Path(repo_id_or_dir).expanduser(), device=device, **base)
     try:
         folder, _ = fetch_checkpoint(str(repo_id_or_dir), revision, cache_dir=cache_dir, token=token)
     except (InvalidRepoIdError, RepoNotFoundError) as exc:
         raise type(exc)(f"{exc} (and there is no local folder {repo_id_or_dir})") from None
-    return checkpoint.from_pretrained(folder, device=device)
+    return checkpoint.from_pretrained(folder, device=device, **base)

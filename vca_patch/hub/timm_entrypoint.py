@@ -5,7 +5,8 @@ beside its own. timm runs no remote code, so `register()` adds a `vca_patch` ent
 through the public `timm.models.register_model`; timm calls it with the source it resolved (`hf-hub:` id
 with optional `@revision`, or `local-dir:` path) and the entrypoint defers to vca_patch's own loader, so
 merged and delta checkpoints, revisions and the offline cache behave exactly as in `vca_patch.from_pretrained`.
-`pretrained=False` (timm's default) gives the converted architecture with fresh weights.
+`pretrained=False` (timm's default) gives the converted architecture with fresh weights. A delta checkpoint
+made against a local base file loads with `timm.create_model(..., pretrained=True, base_weights=PATH)`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def vca_patch(pretrained: bool = False, pretrained_cfg: Any = None, **kwargs: An
     cache_dir = kwargs.get("cache_dir")
     device = kwargs.pop("device", None) or "cpu"
     dtype = kwargs.pop("dtype", None)
+    base_weights = kwargs.pop("base_weights", None)
+    if base_weights is not None and not pretrained:
+        raise ValueError("base_weights= is the base of a delta checkpoint's weights; it needs pretrained=True")
     meta = (
         read_checkpoint_config(Path(ref))
         if local
@@ -58,7 +62,10 @@ def vca_patch(pretrained: bool = False, pretrained_cfg: Any = None, **kwargs: An
             f"(saved: { {k: stored.get(k) for k in differ} })"
         )
     if pretrained:
-        model = from_pretrained(ref, revision, cache_dir=cache_dir) if not local else from_pretrained(ref)
+        base = {"base_weights": base_weights} if base_weights is not None else {}
+        model = (
+            from_pretrained(ref, revision, cache_dir=cache_dir, **base) if not local else from_pretrained(ref, **base)
+        )
     else:
         model = build_model(meta).eval()
     if num_classes is not None and num_classes != stored.get("num_classes"):

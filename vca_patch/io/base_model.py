@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 
 from torch import nn
 
+from .config_guard import UnsafeConfigError, check_timm_model_args, transformers_model_class
 from .weights import load_state_dict_checked, read_state_dict
 
 HUB_PREFIX = "hf-hub:"
@@ -128,8 +129,13 @@ def load_transformers_model(name: str, *, pretrained: bool = True, weights: Path
         if reason:
             raise _offline_error(f"the config of {name}", reason) from exc
         raise UnknownModelError(f"{name} is neither a timm name nor a transformers model: {exc}") from exc
-    architecture = (config.architectures or ["AutoModel"])[0]
-    model_cls = getattr(transformers, architecture, transformers.AutoModel)
+    if config.architectures:
+        try:
+            model_cls = transformers_model_class(config.architectures[0], f"the config of {name}", "architectures[0]")
+        except UnsafeConfigError as exc:
+            raise UnknownModelError(str(exc)) from None
+    else:
+        model_cls = transformers.AutoModel
     if weights is not None:
         state_dict = read_state_dict(weights)
         model = model_cls(config) if model_cls is not transformers.AutoModel else model_cls.from_config(config)
@@ -153,11 +159,18 @@ def load_base_model(
     model_args: dict[str, Any] | None = None,
 ) -> nn.Module:
     """A timm model by name (or `hf-hub:` id), or a transformers model (ORG/NAME or a local folder), with
-    Hub, local (`weights`) or random weights."""
+    Hub, local (`weights`) or random weights.
+
+    `model_args` are timm constructor options (e.g. `{"img_size": 224}`), limited to the plain options a
+    checkpoint can record (config_guard.TIMM_MODEL_ARGS): weights come from `weights`, never from a
+    `checkpoint_path` or `pretrained_cfg_overlay`.
+    """
     if is_transformers_source(name):
+        if model_args:
+            raise ValueError(f"model_args are timm constructor options; {name} is a transformers model")
         return load_transformers_model(name, pretrained=pretrained, weights=weights)
     check_timm_name(name)
-    model_args = dict(model_args or {})
+    model_args = dict(check_timm_model_args(dict(model_args or {}), "load_base_model"))
     if weights is not None:
         state_dict = read_state_dict(weights)  # fail on a bad file before building anything
         model = _create(name, False, model_args)

@@ -8,6 +8,10 @@ model.safetensors; "delta" holds only new and changed tensors in delta.safetenso
 the base weights (see io/delta.py). For timm bases config.json also carries timm's own keys
 (`architecture: "vca_patch"`, `model_args`, `pretrained_cfg`), so `timm.create_model("hf-hub:...")`
 loads it once `vca_patch` is imported (hub/timm_entrypoint.py registers the architecture).
+
+config.json is untrusted input: before anything is built or fetched it is checked to name only model classes,
+plain constructor options and a Hub base reference (io/config_guard.py); a delta's local base path is used only
+when the caller passes it again (`from_pretrained(folder, base_weights=PATH)`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,15 @@ from ..adapters import adapter_by_name
 from ..config import TargetConfig
 from ..surgery import PatchError, get_patch_state, patch_model, patched_layers
 from .atomic import atomic_write_text, staged_directory
-from .delta import base_weights_ref, fetch_base_state_dict, merge_delta, split_delta
+from .config_guard import TIMM_ARCHITECTURE, TIMM_CFG_SOURCES, check_loadable, local_name_or_path_removed
+from .delta import (
+    base_weights_ref,
+    check_base_weights_ref,
+    fetch_base_state_dict,
+    load_base_state_dict,
+    merge_delta,
+    split_delta,
+)
 from .model_card import check_metadata, render_model_card
 from .weights import WeightsMismatchError, load_state_dict_checked
 
@@ -35,8 +47,6 @@ WEIGHTS_NAME = "model.safetensors"
 DELTA_WEIGHTS_NAME = "delta.safetensors"
 CARD_NAME = "README.md"
 FORMS = {"merged": WEIGHTS_NAME, "delta": DELTA_WEIGHTS_NAME}
-TIMM_ARCHITECTURE = "vca_patch"  # the timm entrypoint registered by vca_patch.hub.timm_entrypoint
-_TIMM_CFG_DROP = ("url", "hf_hub_id", "hf_hub_filename", "hf_hub_revision", "file", "source", "state_dict")
 
 
 class CheckpointError(ValueError):
@@ -67,7 +77,7 @@ def _check_rebuildable(model: nn.Module, meta: dict[str, Any]) -> None:
 def _timm_keys(model: nn.Module, base: dict[str, Any]) -> dict[str, Any]:
     """timm's config.json keys, so `timm.create_model("hf-hub:...")` finds the `vca_patch` entrypoint."""
     args = dict(base.get("model_args", {}))
-    cfg = {k: v for k, v in (getattr(model, "pretrained_cfg", None) or {}).items() if k not in _TIMM_CFG_DROP}
+    cfg = {k: v for k, v in (getattr(model, "pretrained_cfg", None) or {}).items() if k not in TIMM_CFG_SOURCES}
     cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items() if v is not None}
     if "num_classes" in args:
         cfg["num_classes"] = args["num_classes"]
@@ -91,6 +101,8 @@ def checkpoint_metadata(
     base = state.adapter.describe_base(model)
     if model_args is not None:
         base["model_args"] = dict(model_args)
+    if isinstance(base.get("config"), dict):  # a transformers config: a local folder it came from is not recorded
+        base["config"] = local_name_or_path_removed(base["config"])
     meta = {
         "vca_patch_version": __version__,
         "format_version": FORMAT_VERSION,
@@ -135,6 +147,7 @@ def save_pretrained(
         raise ValueError(f"form must be one of {sorted(FORMS)}, got {form!r}")
     meta = checkpoint_metadata(model, model_args=model_args, metadata=metadata)
     check_metadata(meta["metadata"])
+    check_loadable(meta, "save_pretrained")  # what from_pretrained would refuse is not written
     _check_rebuildable(model, meta)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     if form == "delta":
@@ -179,8 +192,11 @@ def check_checkpoint_config(meta: Any, where: str) -> dict[str, Any]:
         )
     if meta.get("checkpoint_form", "merged") not in FORMS:
         raise CheckpointError(f"{where}: unknown checkpoint_form {meta['checkpoint_form']!r}; known: {sorted(FORMS)}")
-    if meta.get("checkpoint_form") == "delta" and "base_weights" not in meta.get("delta", {}):
-        raise CheckpointError(f"{where}: a delta checkpoint must name its base weights (delta.base_weights)")
+    if meta.get("checkpoint_form") == "delta":
+        if not isinstance(meta.get("delta"), dict) or "base_weights" not in meta["delta"]:
+            raise CheckpointError(f"{where}: a delta checkpoint must name its base weights (delta.base_weights)")
+        check_base_weights_ref(meta["delta"]["base_weights"], where)
+    check_loadable(meta, where)
     return meta
 
 
@@ -204,7 +220,8 @@ def read_checkpoint_config(directory: Path) -> dict[str, Any]:
 
 
 def build_model(meta: dict[str, Any]) -> nn.Module:
-    """The converted architecture described by `meta`, without the checkpoint's weights."""
+    """The converted architecture described by `meta` (checked by `check_loadable`), without weights."""
+    check_loadable(meta, "config.json")
     adapter = adapter_by_name(meta["adapter"])
     model = adapter.create_base(meta["base"])
     patch_model(model, TargetConfig.from_dict(meta["config"]))
@@ -220,21 +237,27 @@ def from_pretrained(
     directory: str | Path,
     *,
     device: str | torch.device = "cpu",
+    base_weights: str | Path | dict[str, Any] | None = None,
     base_state_dict: dict[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """Rebuild a converted model from a `save_pretrained` folder, in eval mode.
 
-    A delta checkpoint fetches its base weights (local file, Hub cache, or Hub) unless `base_state_dict`
-    gives them.
+    A delta checkpoint takes its base weights from `base_state_dict` or `base_weights` (a local file or
+    "org/name@revision") when given, else fetches the Hub file its config.json names (cache first). A local
+    path written in config.json is never followed: pass it as `base_weights=`.
     """
     directory = Path(directory)
     meta = read_checkpoint_config(directory)
+    delta = meta.get("checkpoint_form") == "delta"
+    if not delta and (base_weights is not None or base_state_dict is not None):
+        raise ValueError(f"base_weights / base_state_dict are for delta checkpoints; {directory} is merged")
+    if delta and base_state_dict is None:  # resolved before anything is built or read
+        base_state_dict = load_base_state_dict(meta["delta"]["base_weights"], base_weights)
     model = build_model(meta)
     path = directory / weights_name(meta)
     state = load_file(str(path))
-    if meta.get("checkpoint_form") == "delta":
-        base = base_state_dict if base_state_dict is not None else fetch_base_state_dict(meta["delta"]["base_weights"])
-        state = merge_delta(state, base, list(model.state_dict()), meta["delta"])
+    if delta:
+        state = merge_delta(state, base_state_dict, list(model.state_dict()), meta["delta"])
     try:
         load_state_dict_checked(model, state, str(path))
     except WeightsMismatchError as exc:

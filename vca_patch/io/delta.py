@@ -14,7 +14,9 @@ A delta folder holds `delta.safetensors` and a config.json with `"checkpoint_for
 takes them as `base_state_dict=` or reads them from `base_weights=` (a file path, "org/name@revision",
 or the dict above; by default the base's Hub id at the commit found in the local Hugging Face cache).
 Loading fetches the base file (Hub cache first; fails fast when the Hub is unreachable), checks the
-fingerprint, and overlays the delta, so both forms load to the same weights.
+fingerprint, and overlays the delta, so both forms load to the same weights. A `{"path": ...}` written in
+config.json is never followed by itself (the folder may come from anyone): the caller passes the file,
+`from_pretrained(folder, base_weights=PATH)`, and a Hub reference is checked to be `org/name` at a revision.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from .base_model import HubUnavailableError, hub_offline_reason
+from .config_guard import UnsafeConfigError, check_hub_ref, is_hub_id
 from .weights import read_state_dict
 
 HUB_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -121,6 +124,11 @@ def _hub_ref(hub_id: str, revision: str | None) -> dict[str, Any]:
     return {"hf_hub_id": hub_id, "revision": info.sha, "filename": filename}
 
 
+def _check_hub_id(hub_id: Any, prefix: str = "") -> None:
+    if not is_hub_id(hub_id):
+        raise DeltaError(f"{prefix}{hub_id!r} is not a Hub model id 'org/name' (optionally '@revision')")
+
+
 def base_weights_ref(spec: str | Path | dict[str, Any] | None, base: dict[str, Any]) -> dict[str, Any]:
     """Normalise `base_weights=` to {"path"} or {"hf_hub_id", "revision", "filename"} (revision pinned)."""
     if isinstance(spec, dict):
@@ -128,6 +136,7 @@ def base_weights_ref(spec: str | Path | dict[str, Any] | None, base: dict[str, A
             return {"path": str(Path(spec["path"]).resolve())}
         if "hf_hub_id" not in spec:
             raise DeltaError(f"base_weights needs 'path' or 'hf_hub_id', got {sorted(spec)}")
+        _check_hub_id(spec["hf_hub_id"])
         ref = _hub_ref(spec["hf_hub_id"], spec.get("revision"))
         return {**ref, "filename": spec.get("filename", ref["filename"])}
     if spec is not None and (isinstance(spec, Path) or Path(spec).exists()):
@@ -137,10 +146,41 @@ def base_weights_ref(spec: str | Path | dict[str, Any] | None, base: dict[str, A
         return {"path": str(path.resolve())}
     if spec is not None:
         hub_id, _, revision = str(spec).removeprefix("hf-hub:").partition("@")
+        _check_hub_id(hub_id, f"base weights {spec}: no such file, and ")
         return _hub_ref(hub_id, revision or None)
     if not base.get("hf_hub_id"):
         raise DeltaError("the base model names no Hub weights; pass base_weights= (a file or 'org/name@revision')")
     return _hub_ref(base["hf_hub_id"], None)
+
+
+def check_base_weights_ref(ref: Any, where: str) -> None:
+    """A recorded `delta.base_weights`: a pinned Hub reference, or {"path": ...} (followed only when passed again)."""
+    if isinstance(ref, dict) and set(ref) == {"path"} and isinstance(ref["path"], str):
+        return
+    try:
+        check_hub_ref(ref, where, "delta.base_weights")
+    except UnsafeConfigError as exc:
+        raise UnsafeConfigError(f'{exc} (or {{"path": ...}}, a local file the loader must be given again)') from None
+
+
+def load_base_state_dict(
+    recorded: dict[str, Any], base_weights: str | Path | dict[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
+    """The base tensors to load a delta onto: `base_weights` when the caller gives them, else the recorded Hub file.
+
+    A recorded local path is not followed: it was written by whoever made the folder, so the caller must pass
+    the file explicitly.
+    """
+    if base_weights is not None:
+        return fetch_base_state_dict(base_weights_ref(base_weights, {}))
+    if "path" in recorded:
+        raise DeltaError(
+            f"this delta checkpoint was made against the local file {recorded['path']}; a path written in "
+            "config.json is not followed. Pass the base weights yourself: from_pretrained(folder, "
+            "base_weights=PATH) (or base_state_dict=), or load the merged form"
+        )
+    check_hub_ref(recorded, "config.json", "delta.base_weights")
+    return fetch_base_state_dict(recorded)
 
 
 def fetch_base_state_dict(ref: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -21,7 +23,15 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         return load_file(str(path))
-    data = torch.load(path, map_location="cpu", weights_only=True)
+    try:  # weights-only: a pickle that names any other Python object is refused, never run
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported (?:global|operand)[^.\n]*", str(exc))
+        raise WeightsMismatchError(
+            f"{path} is not a weights-only torch checkpoint: it pickles Python objects, which are never loaded "
+            f"({found.group(0).strip() if found else 'refused by torch.load(weights_only=True)'}); "
+            "save a state dict of tensors, or convert it to .safetensors"
+        ) from None
     for key in ("state_dict", "model", "model_ema"):
         if isinstance(data, dict) and isinstance(data.get(key), dict):
             data = data[key]
