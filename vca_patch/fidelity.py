@@ -46,10 +46,26 @@ def output_tensor(output: Any) -> torch.Tensor:
     raise TypeError(f"cannot find the output tensor in a {type(output).__name__}")
 
 
+def model_placement(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """(device, floating dtype) of the model's first floating-point parameter or buffer (cpu/float32 without)."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_floating_point():
+            return tensor.device, tensor.dtype
+    return torch.device("cpu"), torch.float32
+
+
+def to_model(x: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    """Images `x` on the model's device and, when floating, in its parameter dtype."""
+    device, dtype = model_placement(model)
+    return x.to(device=device, dtype=dtype) if x.is_floating_point() else x.to(device)
+
+
 def probe_batch(model: nn.Module, batch_size: int = 4, seed: int = 0) -> torch.Tensor:
-    """A deterministic batch of standard-normal images of the model's input size."""
+    """A deterministic batch of standard-normal images of the model's input size, on its device and in its dtype.
+
+    Drawn on the CPU from `seed` (the same images on every device), then moved."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(batch_size, *model_input_size(model), generator=generator)
+    return to_model(torch.randn(batch_size, *model_input_size(model), generator=generator, device="cpu"), model)
 
 
 @torch.no_grad()
@@ -57,14 +73,14 @@ def compare_outputs(reference: Any, candidate: Any) -> dict[str, Any]:
     """Relative error, mean per-sample cosine, max |Δ|, and top-1 agreement for class logits."""
     reference, candidate = output_tensor(reference), output_tensor(candidate)
     ref = reference.detach().double().flatten(1)
-    cand = candidate.detach().double().flatten(1)
+    cand = candidate.detach().to(ref.device).double().flatten(1)
     metrics: dict[str, Any] = {
         "relative_error": float((cand - ref).norm() / ref.norm().clamp_min(1e-30)),
         "cosine": float(F.cosine_similarity(ref, cand, dim=1).mean()),
         "max_abs_diff": float((cand - ref).abs().max()),
     }
     if reference.ndim == 2 and reference.shape[1] > 1:
-        metrics["top1_agreement"] = float((reference.argmax(1) == candidate.argmax(1)).double().mean())
+        metrics["top1_agreement"] = float((ref.argmax(1) == cand.argmax(1)).double().mean())
     return metrics
 
 
@@ -171,7 +187,8 @@ def fidelity(original: nn.Module | None, patched: nn.Module, batches: Iterable) 
     """Measure `patched` against `original` on `batches` (tensors, (images, labels) pairs or dicts).
 
     `original=None` uses the patched model's own original attention modules (swapped in for the
-    reference pass), so no copy of the model is needed.
+    reference pass), so no copy of the model is needed. Each model runs on its own device and in its parameter
+    dtype (images are moved and cast); every error and cosine is accumulated in float64.
     """
     from .recovery.capture import batch_images, original_attention, patched_modules
 
@@ -189,9 +206,9 @@ def fidelity(original: nn.Module | None, patched: nn.Module, batches: Iterable) 
     reference_model.eval()
     try:
         for batch in batches:
-            x = batch_images(batch)
-            device = next(patched.parameters()).device
-            x = x.to(device)
+            images = batch_images(batch)
+            x = to_model(images, patched)
+            device = x.device
             captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
             def ref_hook(module, args, kwargs, output, path=None, store=captured):
@@ -206,14 +223,17 @@ def fidelity(original: nn.Module | None, patched: nn.Module, batches: Iterable) 
                     for p in ref_paths
                 ]
                 try:
-                    ref_feat, ref_logits = features_and_logits(reference_model, x)
+                    ref_feat, ref_logits = features_and_logits(reference_model, to_model(images, reference_model))
                 finally:
                     for h in handles:
                         h.remove()
+            ref_feat = ref_feat.to(device)  # a separate original may live elsewhere
+            ref_logits = ref_logits.to(device) if ref_logits is not None else None
             free: dict[str, torch.Tensor] = {}
 
             def free_hook(module, args, output, path=None, store=free):
                 store[path] = attention_output(output)
+                store["layout"] = state_tracker.current()  # the layout belongs to this forward: read it inside
 
             handles = [
                 patched.get_submodule(p).register_forward_hook(functools.partial(free_hook, path=p)) for p in paths
@@ -223,9 +243,9 @@ def fidelity(original: nn.Module | None, patched: nn.Module, batches: Iterable) 
             finally:
                 for h in handles:
                     h.remove()
-            layout = state_tracker.current()
+            layout = free.pop("layout")
             for p in paths:
-                ref_in, ref_out = captured[p]
+                ref_in, ref_out = to_model(captured[p][0], patched), captured[p][1].to(device)
                 errors[p].add(attention_output(patched.get_submodule(p)(ref_in, layout=layout)), ref_out)
                 errors_free[p].add(free[p], ref_out)
             P = layout.num_prefix_tokens

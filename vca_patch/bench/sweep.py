@@ -148,7 +148,7 @@ def _sweep(variants: list[Variant], settings: BenchSettings, log: Callable[[str]
         grid = shape.grid((px, px))
         tokens = shape.num_prefix_tokens + grid[0] * grid[1]
         gen = torch.Generator().manual_seed(px)
-        x = torch.randn(settings.batch, shape.in_chans, px, px, generator=gen).to(device)
+        x = torch.randn(settings.batch, shape.in_chans, px, px, generator=gen, device="cpu").to(device)
         inputs[px] = x
         for v in variants:
             gmacs = model_macs(shape, (px, px), v.target, v.config) / 1e9

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from ..config import CONFIG_TYPES, ConfigError, TargetConfig
-from .common import console, fail, parse_layers, prepare_cpu_kernel
+from .common import DEVICE_HELP, console, fail, parse_layers, prepare_cpu_kernel, resolve_device
 
 
 def _parse_ints(spec: str, option: str) -> list[int]:
@@ -42,7 +42,7 @@ def bench(
     model: Annotated[str, typer.Argument(help="timm model name (random weights), e.g. deit_small_patch16_224")],
     resolutions: Annotated[str, typer.Option(help="Square input sizes in pixels")] = "224,512,1024,2048",
     batch: Annotated[int, typer.Option(help="Images per forward pass")] = 1,
-    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
     dtype: Annotated[str, typer.Option(help="float32, or bfloat16/float16 autocast")] = "float32",
     target: Annotated[str, typer.Option(help="Targets to bench beside the original, comma-separated")] = "vca",
     depth: Annotated[int | None, typer.Option(help="Override the model's number of blocks")] = None,
@@ -69,7 +69,6 @@ def bench(
     ] = True,
 ) -> None:
     """Latency, throughput, peak memory and analytic MACs of MODEL, original vs patched, per resolution."""
-    import torch
 
     from ..bench import BenchSettings, build_variants, run_sweep
     from ..bench.report import crossover_lines, ratios_table, results_table, write_json, write_plot
@@ -79,10 +78,7 @@ def bench(
 
     if dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", 2)
-    if device not in ("cpu", "cuda"):
-        fail(f"--device must be cpu or cuda, got {device!r}", 2)
-    if device == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda: no CUDA device is available", 2)
+    device = str(resolve_device(device))
     if plot is not None:
         try:
             import matplotlib  # noqa: F401

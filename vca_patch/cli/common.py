@@ -1,8 +1,9 @@
-"""Shared CLI helpers: consoles, error exits, argument parsing."""
+"""Shared CLI helpers: consoles, error exits, argument parsing (layers, device, dtype, image size)."""
 
 from __future__ import annotations
 
-from typing import NoReturn
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -11,6 +12,14 @@ console = Console()
 if not console.is_terminal:  # piped or captured output: do not squeeze tables into 80 columns
     console = Console(width=160)
 err_console = Console(stderr=True)
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DEVICE_HELP = "auto (cuda if available, else cpu), cpu, cuda or cuda:N"
+DTYPE_HELP = "Parameter dtype: float32, bfloat16 or float16"
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -49,3 +58,81 @@ def parse_layers(spec: str | None) -> list[int] | None:
     if any(i < 0 for i in layers):
         raise typer.BadParameter("block indices are non-negative", param_hint="--layers")
     return sorted(layers)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """'auto' | 'cpu' | 'cuda' | 'cuda:N' -> a torch.device that exists here; anything else exits with one line."""
+    import torch
+
+    spec = spec.strip().lower()
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        fail(f"--device must be {DEVICE_HELP}; got {spec!r}", 2)
+    if device.type not in ("cpu", "cuda"):
+        fail(f"--device must be {DEVICE_HELP}; got {spec!r}", 2)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            fail(f"--device {spec}: no CUDA GPU is available on this machine (torch {torch.__version__}, {build})", 2)
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            fail(f"--device {spec}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}", 2)
+    return device
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """'float32' | 'bfloat16' | 'float16' -> the torch dtype; anything else exits with one line."""
+    import torch
+
+    if name not in DTYPE_NAMES:
+        fail(f"--dtype must be one of {', '.join(DTYPE_NAMES)}; got {name!r}", 2)
+    return getattr(torch, name)
+
+
+def img_size_args(img_size: int | None) -> dict[str, Any]:
+    """timm `model_args` for --img-size (empty without it); refuses a non-positive size."""
+    if img_size is None:
+        return {}
+    if img_size < 1:
+        fail(f"--img-size must be a positive number of pixels, got {img_size}", 2)
+    return {"img_size": img_size}
+
+
+def check_img_size(net: nn.Module, name: str, img_size: int | None) -> None:
+    """A transformers model takes its image size from its config: refuse an --img-size that differs from it."""
+    from ..fidelity import model_input_size
+    from ..io.base_model import is_transformers_source
+
+    if img_size is None or not is_transformers_source(name):
+        return
+    _, height, width = model_input_size(net)
+    if (height, width) != (img_size, img_size):
+        fail(
+            f"--img-size {img_size}: {name} is a transformers model, whose image size comes from its config "
+            f"(image_size={height if height == width else (height, width)}); drop --img-size or pass "
+            f"--img-size {height}",
+            2,
+        )
+
+
+def load_base(name: str, *, pretrained: bool, weights: Path | None, img_size: int | None) -> nn.Module:
+    """The model to convert or inspect, at --img-size; every expected failure exits with one clear line."""
+    from ..io import HubUnavailableError, UnknownModelError, WeightsMismatchError, load_base_model
+    from ..io.base_model import is_transformers_source
+
+    model_args = img_size_args(img_size)
+    if is_transformers_source(name):
+        model_args = {}  # its size is the config's: checked below
+    try:
+        net = load_base_model(name, pretrained=pretrained, weights=weights, model_args=model_args)
+    except (UnknownModelError, HubUnavailableError, WeightsMismatchError) as exc:
+        fail(str(exc))
+    except TypeError as exc:
+        if img_size is None or "img_size" not in str(exc):
+            raise
+        fail(f"--img-size: {name} does not take an image size ({exc})", 2)
+    check_img_size(net, name, img_size)
+    return net

@@ -10,17 +10,20 @@ import typer
 
 from ..config import ConfigError, MANOConfig, TargetConfig, VCAConfig
 from ..fidelity import compare_outputs, probe_batch
-from ..io import (
-    HubUnavailableError,
-    OutputExistsError,
-    UnknownModelError,
-    WeightsMismatchError,
-    load_base_model,
-    save_pretrained,
-)
+from ..io import OutputExistsError, save_pretrained
 from ..io.atomic import check_output_dir
 from ..surgery import PatchError, patch_model
-from .common import console, fail, parse_layers, prepare_cpu_kernel
+from .common import (
+    DEVICE_HELP,
+    DTYPE_HELP,
+    console,
+    fail,
+    load_base,
+    parse_layers,
+    prepare_cpu_kernel,
+    resolve_device,
+    resolve_dtype,
+)
 from .fidelity import calibrate_for_convert, summary_table
 from .report_view import sites_table, totals_table
 
@@ -64,8 +67,14 @@ def convert(
     calibration_kind: Annotated[str, typer.Option(help="fashion_mnist, imagefolder or hf")] = "imagefolder",
     calibration_images: Annotated[int, typer.Option(help="Images used to calibrate, and to measure")] = 256,
     force: Annotated[bool, typer.Option("--force", help="Overwrite a non-empty output folder")] = False,
+    img_size: Annotated[
+        int | None, typer.Option(help="Input size in pixels (timm's img_size; transformers: must match the config)")
+    ] = None,
+    device: Annotated[str, typer.Option(help=f"Where to convert and measure: {DEVICE_HELP}")] = "auto",
+    dtype: Annotated[str, typer.Option(help=f"{DTYPE_HELP} (the model is cast, then patched)")] = "float32",
 ) -> None:
     """Convert MODEL's softmax attention to VCA (or MANO with --to mano) and save it to --output."""
+    torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
     try:
         check_output_dir(output, overwrite=force)
         config: TargetConfig
@@ -88,14 +97,12 @@ def convert(
 
     base_weights = "local file" if weights else ("pretrained" if pretrained else "random")
     with console.status(f"Building {model} ({base_weights} weights)..."):
-        try:
-            with torch.random.fork_rng(devices=[]):  # random weights follow --seed: a reproducible offline demo
-                torch.manual_seed(seed)
-                net = load_base_model(model, pretrained=pretrained, weights=weights).eval()
-        except (UnknownModelError, HubUnavailableError, WeightsMismatchError) as exc:
-            fail(str(exc))
-    probe = probe_batch(net, probe_size, seed)
-    if config.target == "vca":
+        with torch.random.fork_rng(devices=[]):  # random weights follow --seed: a reproducible offline demo
+            torch.manual_seed(seed)
+            net = load_base(model, pretrained=pretrained, weights=weights, img_size=img_size).eval()
+        net.to(device=torch_device, dtype=torch_dtype)
+    probe = probe_batch(net, probe_size, seed)  # on the model's device, in its dtype
+    if config.target == "vca" and torch_device.type == "cpu":
         prepare_cpu_kernel()
     with console.status("Patching and probing..."), torch.no_grad():
         reference = net(probe)
@@ -110,7 +117,10 @@ def convert(
         )
     with console.status(f"Saving to {output}..."):
         save_pretrained(
-            net, output, overwrite=force, metadata={"base_weights": base_weights, "model_name": model, "probe": metrics}
+            net,
+            output,
+            overwrite=force,
+            metadata={"base_weights": base_weights, "model_name": model, "probe": metrics, "dtype": dtype},
         )
     console.print(sites_table(report))
     console.print(totals_table(report, probe=metrics))

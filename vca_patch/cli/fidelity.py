@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from .common import console, fail
+from .common import DEVICE_HELP, DTYPE_HELP, console, fail, resolve_device, resolve_dtype
 
 KINDS = ("fashion_mnist", "imagefolder", "hf")
 
@@ -36,6 +36,10 @@ def fidelity(
     ] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the per-layer errors (needs matplotlib)")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the full report as JSON")] = None,
+    device: Annotated[str, typer.Option(help=f"Where to run both models: {DEVICE_HELP}")] = "auto",
+    dtype: Annotated[str, typer.Option(help=f"{DTYPE_HELP} of both models (errors are summed in float64)")] = (
+        "float32"
+    ),
 ) -> None:
     """Per-layer attention error, final-feature cosines and top-1 agreement of CHECKPOINT vs its original."""
     import torch
@@ -47,9 +51,12 @@ def fidelity(
     from ..io import CheckpointError, from_pretrained
     from ..train.finetune import teacher_from
 
+    torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
     try:
-        model = from_pretrained(checkpoint)
-        reference = teacher_from(from_pretrained(original)) if original is not None else None
+        model = from_pretrained(checkpoint, device=torch_device).to(torch_dtype)
+        reference = None
+        if original is not None:
+            reference = teacher_from(from_pretrained(original, device=torch_device).to(torch_dtype))
     except CheckpointError as exc:
         fail(str(exc), 2)
     spec = data_spec(data_kind, data, split, limit)

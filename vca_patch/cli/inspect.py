@@ -8,9 +8,8 @@ from typing import Annotated
 import typer
 
 from ..config import ConfigError, VCAConfig
-from ..io import HubUnavailableError, UnknownModelError, WeightsMismatchError, load_base_model
 from ..surgery import PatchError, inspect_model
-from .common import console, fail, parse_layers
+from .common import console, fail, load_base, parse_layers
 from .report_view import sites_table, totals_table
 
 
@@ -23,6 +22,9 @@ def inspect(
     exclude: Annotated[str | None, typer.Option(help="Regex: never convert matching module paths")] = None,
     contrast_tokens: Annotated[int, typer.Option(help="Pooled contrast tokens n (a perfect square)")] = 49,
     strict: Annotated[bool, typer.Option("--strict", help="Fail on approximate or unverified conversions")] = False,
+    img_size: Annotated[
+        int | None, typer.Option(help="Input size in pixels (timm's img_size; transformers: must match the config)")
+    ] = None,
 ) -> None:
     """Dry run: show MODEL's attention sites and what `convert` would do with each."""
     try:
@@ -31,10 +33,10 @@ def inspect(
         )
     except ConfigError as exc:
         fail(str(exc), 2)
+    net = load_base(model, pretrained=pretrained, weights=weights, img_size=img_size)
     try:
-        net = load_base_model(model, pretrained=pretrained, weights=weights)
         report = inspect_model(net, config, strict=strict)
-    except (UnknownModelError, HubUnavailableError, WeightsMismatchError, PatchError) as exc:
+    except PatchError as exc:
         fail(str(exc))
     console.print(sites_table(report, dry_run=True))
     console.print(totals_table(report))

@@ -123,8 +123,9 @@ def _search_temperature(
         got, _ = _pre_proj(module, cap.inputs, cap.layout)
         scores.append(_per_head_cosine(got[:, rows], target[:, rows], module.num_heads))
     best = torch.stack(scores).argmax(0)  # [M]
-    chosen = torch.tensor([candidates[int(i)] for i in best], dtype=module.stage2_temperature.dtype)
-    module.stage2_temperature.copy_(chosen)
+    temperature = module.stage2_temperature
+    chosen = torch.tensor([candidates[int(i)] for i in best], dtype=temperature.dtype, device=temperature.device)
+    temperature.copy_(chosen)
     return chosen.tolist()
 
 
@@ -139,7 +140,8 @@ def _fit_norm(module: VisualContrastAttention, cap: LayerCapture, target: torch.
         scale = (o.pow(2).sum((0, 1)) / r.pow(2).sum((0, 1)).clamp_min(1e-30)).sqrt()
     else:  # least squares per channel
         scale = (o * r).sum((0, 1)) / r.pow(2).sum((0, 1)).clamp_min(1e-30)
-    module.stage2_norm.weight.mul_(scale.to(module.stage2_norm.weight.dtype))
+    weight = module.stage2_norm.weight
+    weight.copy_((weight.double() * scale).to(weight.dtype))  # the product in float64, written in the param dtype
 
 
 def _shifted(grid: torch.Tensor) -> torch.Tensor:
@@ -166,7 +168,7 @@ def _fit_dwc(module: VisualContrastAttention, cap: LayerCapture, target: torch.T
     R = residual.permute(2, 0, 1).reshape(C, -1, 1)  # [C, S, 1]
     gram = A.transpose(1, 2) @ A
     reg = ridge * gram.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)
-    gram = gram + reg.view(C, 1, 1) * torch.eye(10, dtype=gram.dtype)
+    gram = gram + reg.view(C, 1, 1) * torch.eye(10, dtype=gram.dtype, device=gram.device)
     w = torch.linalg.solve(gram, A.transpose(1, 2) @ R).squeeze(-1)  # [C, 10]
     module.dwc.weight.copy_(w[:, :9].reshape(C, 1, 3, 3).to(module.dwc.weight.dtype))
     module.dwc.bias.copy_(w[:, 9].to(module.dwc.bias.dtype))

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..adapters.call_shims import attention_output, call_tokens
 from ..attention import TokenLayout
+from ..fidelity import model_placement
 from ..surgery import PatchError, get_patch_state
 
 
@@ -35,6 +36,7 @@ def original_attention(model: nn.Module) -> Iterator[nn.Module]:
         raise PatchError("model is not patched by vca_patch")
     patched = patched_modules(model)
     for path, original in state.originals.items():
+        patched[path].restore_into(original)  # parameters replaced since patching (assign=True, ...)
         _set(model, path, original)
     try:
         yield model
@@ -70,14 +72,16 @@ def batch_images(batch) -> torch.Tensor:
 def capture_original_layers(model: nn.Module, batches: Iterable, device: torch.device | None = None) -> dict:
     """Inputs/outputs of every patched layer when the model runs with its original attention.
 
-    Returns {path: LayerCapture}, tensors concatenated over batches (on `device`, default the model's).
+    Returns {path: LayerCapture}, tensors concatenated over batches (on `device`, default the model's). Images
+    are moved there and cast to the model's parameter dtype.
     """
     state = get_patch_state(model)
     paths = list(patched_modules(model))
     inputs: dict[str, list[torch.Tensor]] = {p: [] for p in paths}
     outputs: dict[str, list[torch.Tensor]] = {p: [] for p in paths}
     layouts: dict[str, TokenLayout] = {}
-    device = device or next(model.parameters()).device
+    model_device, dtype = model_placement(model)
+    device = device or model_device
     was_training = model.training
     model.eval()
     with original_attention(model):
@@ -92,7 +96,8 @@ def capture_original_layers(model: nn.Module, batches: Iterable, device: torch.d
             handles.append(model.get_submodule(path).register_forward_hook(hook, with_kwargs=True))
         try:
             for batch in batches:
-                model(batch_images(batch).to(device))
+                images = batch_images(batch)
+                model(images.to(device=device, dtype=dtype) if images.is_floating_point() else images.to(device))
         finally:
             for h in handles:
                 h.remove()
