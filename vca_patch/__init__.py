@@ -8,6 +8,14 @@ from .fidelity import FidelityReport, fidelity  # the function shadows the modul
 from .hub import from_pretrained, push_to_hub
 from .io import save_pretrained
 from .recovery import calibrate
+from .spatial_tokens import (
+    SpatialTokensConfig,
+    add_spatial_tokens,
+    image_token_count,
+    load_spatial_tokens,
+    remove_spatial_tokens,
+    save_spatial_tokens,
+)
 from .surgery import NothingToPatchError, PatchError, PatchReport, patch_model, unpatch_model
 
 __all__ = [
@@ -18,16 +26,22 @@ __all__ = [
     "NothingToPatchError",
     "PatchError",
     "PatchReport",
+    "SpatialTokensConfig",
     "TargetConfig",
     "TokenLayout",
     "VCAConfig",
     "VisualContrastAttention",
     "__version__",
+    "add_spatial_tokens",
     "calibrate",
     "fidelity",
     "from_pretrained",
+    "image_token_count",
+    "load_spatial_tokens",
     "patch_model",
     "push_to_hub",
+    "remove_spatial_tokens",
     "save_pretrained",
+    "save_spatial_tokens",
     "unpatch_model",
 ]
