@@ -11,3 +11,24 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def connections(monkeypatch):
+    """Addresses of every TCP connection attempted during the test (fail-fast checks count them, not seconds)."""
+    import socket
+
+    attempts: list = []
+    real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def connect(sock, address):
+        attempts.append(address)
+        return real_connect(sock, address)
+
+    def connect_ex(sock, address):
+        attempts.append(address)
+        return real_connect_ex(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
+    return attempts

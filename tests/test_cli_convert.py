@@ -1,5 +1,4 @@
 import json
-import time
 
 import pytest
 import timm
@@ -84,24 +83,22 @@ def test_random_weights_follow_the_seed(tmp_path):
     assert not torch.equal(first["patch_embed.proj.weight"], other["patch_embed.proj.weight"])
 
 
-def test_offline_pretrained_fails_fast_and_names_the_alternatives(tmp_path):
-    start = time.perf_counter()
+def test_offline_pretrained_fails_fast_and_names_the_alternatives(tmp_path, connections):
     result = invoke("convert", "deit_tiny_patch16_224", "--output", str(tmp_path / "o"))
-    assert time.perf_counter() - start < 10
+    assert connections == []  # offline: not one connection attempted
     assert result.exit_code == 1
     assert "HF_HUB_OFFLINE" in result.output
     assert "--weights" in result.output and "--no-pretrained" in result.output
     assert not (tmp_path / "o").exists()
 
 
-def test_unreachable_hub_fails_within_seconds(tmp_path, monkeypatch):
+def test_unreachable_hub_fails_fast(tmp_path, monkeypatch, connections):
     from huggingface_hub import constants
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
-    start = time.perf_counter()
     result = invoke("convert", "deit_tiny_patch16_224", "--output", str(tmp_path / "o"))
-    assert time.perf_counter() - start < 10
+    assert 1 <= len(connections) <= 2  # one probe of the endpoint (no retry loop)
     assert result.exit_code == 1
     assert "cannot connect to 127.0.0.1:9" in result.output and "--no-pretrained" in result.output
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -156,7 +155,9 @@ def _safetensors_bytes(tensors: dict, tmp_path: Path) -> bytes:
     return path.read_bytes()
 
 
-def test_from_pretrained_repo_id_downloads_once_then_loads_offline_from_the_cache(hub, converted, monkeypatch):
+def test_from_pretrained_repo_id_downloads_once_then_loads_offline_from_the_cache(
+    hub, converted, monkeypatch, connections
+):
     model, _, _, folder = converted
     vca_patch.push_to_hub(folder, REPO)
     first_sha = hub.repos[REPO].branches["main"]
@@ -179,10 +180,10 @@ def test_from_pretrained_repo_id_downloads_once_then_loads_offline_from_the_cach
     hub.stop()
     _go_offline(monkeypatch)
     assert torch.equal(_out(vca_patch.from_pretrained(REPO)), _out(model))
-    start = time.monotonic()
+    connections.clear()
     with pytest.raises(HubUnavailableError, match=r"not in the local Hugging Face cache.*HF_HUB_OFFLINE is set"):
         vca_patch.from_pretrained("acme/never-downloaded")
-    assert time.monotonic() - start < 5
+    assert connections == []  # offline: fails at once, without trying the network
 
 
 def test_a_repo_that_is_not_a_converted_checkpoint_says_so(hub):
@@ -232,16 +233,15 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def test_no_network_fails_within_seconds_and_keeps_the_folder(monkeypatch, tmp_path, converted):
+def test_no_network_fails_fast_and_keeps_the_folder(monkeypatch, tmp_path, converted, connections):
     folder = converted[3]
     before = _tree_digest(folder)
     _point_at(monkeypatch, f"http://127.0.0.1:{_closed_port()}", tmp_path / "cache")
-    start = time.monotonic()
     with pytest.raises(HubUnavailableError, match=r"unreachable \(cannot connect.*nothing was uploaded.*unchanged"):
         vca_patch.push_to_hub(folder, REPO)
     with pytest.raises(HubUnavailableError, match="not in the local Hugging Face cache"):
         vca_patch.from_pretrained(REPO)
-    assert time.monotonic() - start < 10
+    assert 1 <= len(connections) <= 4, connections  # a probe or two each, no retry loop
     _go_offline(monkeypatch)
     with pytest.raises(HubUnavailableError, match="HF_HUB_OFFLINE is set"):
         vca_patch.push_to_hub(folder, REPO)

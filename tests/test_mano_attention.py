@@ -169,8 +169,9 @@ def test_bf16_autocast_is_finite_and_close():
     module = _randomised(MultipoleAttention(32, 4, window=3))
     x = torch.randn(2, 1 + 7 * 9, 32)
     layout = TokenLayout(1, (7, 9))
-    ref = module(x, layout=layout)
+    ref = module.double()(x.double(), layout=layout).detach()  # float64 reference
+    module.float()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = module(x, layout=layout)
     assert torch.isfinite(out).all()
-    assert (out.float() - ref).norm() / ref.norm() < 5e-2
+    assert (out.double() - ref).norm() / ref.norm() < 6 * 2.0**-8  # measured: 2.4 bf16 unit round-offs

@@ -112,11 +112,13 @@ def test_low_precision_autocast_is_finite_and_close(dtype):
     module.reset_vca_parameters("paper")
     x = torch.randn(2, 1 + 25, 32, requires_grad=True)
     layout = TokenLayout(1, (5, 5))
-    ref = module(x, layout=layout)
+    ref = module.double()(x.double(), layout=layout).detach()  # float64 reference
+    module.float()
     with torch.autocast("cpu", dtype=dtype):
         out = module(x, layout=layout)
     assert out.dtype == dtype and torch.isfinite(out).all()
-    assert (out.float() - ref).norm() / ref.norm() < 5e-2
+    unit = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11  # the dtype's unit round-off
+    assert (out.double() - ref).norm() / ref.norm() < 3 * unit  # measured: 1.1 (bf16), 1.2 (fp16) units
     out.float().square().sum().backward()  # λ, both RMSNorms and their backward stay in float32
     assert torch.isfinite(x.grad).all() and torch.isfinite(module.lambda2.q1.grad).all()
 

@@ -121,11 +121,12 @@ def test_kernel_arguments_follow_parameter_updates():
         for parameter in (module.contrast_embed_neg, module.lambda2.q1, module.dwc.weight, module.stage2_temperature):
             parameter.add_(0.1 * torch.randn_like(parameter))  # in place, as an optimiser step
             expected = reference_vca(module, x, 1, (6, 6))
-            got = module(x, layout=layout).double()
-            assert (got - expected).norm() / expected.norm() < 2e-6
+            got, calls = _calls_kernel(module, x, layout)
+            assert calls == 1 and (got.double() - expected).norm() / expected.norm() < 2e-6
         module.qkv.weight.data = module.qkv.weight.data * 1.5  # a replaced tensor: the q/k/v views follow
         expected = reference_vca(module, x, 1, (6, 6))
-        assert (module(x, layout=layout).double() - expected).norm() / expected.norm() < 2e-6
+        got, calls = _calls_kernel(module, x, layout)
+        assert calls == 1 and (got.double() - expected).norm() / expected.norm() < 2e-6
 
 
 def test_split_projections_and_q_norm_take_the_kernel_too():
