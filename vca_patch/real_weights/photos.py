@@ -1,0 +1,125 @@
+"""Real photos that ship with scikit-image and scikit-learn, as ImageNet-normalised model inputs and crops.
+
+Two disjoint sets of source photos: CALIBRATION_PHOTOS (for calibrating or training a conversion) and
+EVALUATION_PHOTOS (for measuring it), so no measured image, nor any crop of it, was ever calibrated on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+CALIBRATION_PHOTOS = (
+    "coffee", "rocket", "coins", "hubble_deep_field", "brick", "grass", "moon", "page", "text",
+    "motorcycle_left", "motorcycle_right",
+)  # fmt: skip
+EVALUATION_PHOTOS = (
+    "astronaut", "chelsea", "camera", "china", "flower", "retina", "gravel", "cell", "clock", "immunohistochemistry",
+)  # fmt: skip
+_SKLEARN = ("china", "flower")
+
+
+def _raw(name: str) -> np.ndarray:
+    if name in _SKLEARN:
+        try:
+            from sklearn.datasets import load_sample_image
+        except ImportError as exc:
+            raise ImportError(f"photo {name!r} needs scikit-learn: pip install scikit-learn") from exc
+        return load_sample_image(f"{name}.jpg")
+    try:
+        import skimage.data
+    except ImportError as exc:
+        raise ImportError(f"photo {name!r} needs scikit-image: pip install scikit-image") from exc
+    if name in ("motorcycle_left", "motorcycle_right"):
+        left, right, _ = skimage.data.stereo_motorcycle()
+        return left if name == "motorcycle_left" else right
+    loader = getattr(skimage.data, name, None)
+    if loader is None:
+        raise ValueError(f"unknown photo {name!r}; known: {sorted(CALIBRATION_PHOTOS + EVALUATION_PHOTOS)}")
+    try:
+        return loader()
+    except Exception as exc:  # e.g. a dataset file scikit-image would have to download
+        raise ValueError(f"cannot read photo {name!r} from skimage.data: {exc}") from exc
+
+
+def load_photos(names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """{name: float [3, H, W] in [0, 1]} (grey photos repeated to RGB, alpha dropped)."""
+    photos = {}
+    for name in names:
+        array = np.asarray(_raw(name))
+        if array.ndim == 2:
+            array = np.repeat(array[..., None], 3, axis=-1)
+        if array.ndim != 3 or array.shape[-1] not in (3, 4):
+            raise ValueError(f"photo {name!r} has shape {array.shape}, not an RGB image")
+        image = torch.from_numpy(np.array(array[..., :3])).permute(2, 0, 1).float()
+        photos[name] = image / 255.0 if array.dtype == np.uint8 else image.clamp(0, 1)
+    return photos
+
+
+def normalize(images: torch.Tensor) -> torch.Tensor:
+    """ImageNet mean/std normalisation of images in [0, 1] ([3, H, W] or [B, 3, H, W])."""
+    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    return (images - mean) / std
+
+
+def _resize(image: torch.Tensor, size: int) -> torch.Tensor:
+    return F.interpolate(image[None], size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
+
+
+def to_model_input(photo: torch.Tensor, size: int) -> torch.Tensor:
+    """The central square of `photo`, resized to size × size and normalised: [3, size, size]."""
+    _, h, w = photo.shape
+    side = min(h, w)
+    top, left = (h - side) // 2, (w - side) // 2
+    return normalize(_resize(photo[:, top : top + side, left : left + side], size))
+
+
+def random_crops(
+    photos: dict[str, torch.Tensor], count: int, size: int, *, seed: int = 0, scale: tuple[float, float] = (0.15, 1.0)
+) -> torch.Tensor:
+    """`count` random-resized crops (area fraction in `scale`, aspect 3/4..4/3), cycling over the photos,
+    resized to size × size and normalised: [count, 3, size, size]. Deterministic for a seed."""
+    if not photos:
+        raise ValueError("no photos to crop")
+    generator = torch.Generator().manual_seed(seed)
+    names = sorted(photos)
+    crops = []
+    for i in range(count):
+        image = photos[names[i % len(names)]]
+        _, h, w = image.shape
+        area = h * w * float(torch.empty(()).uniform_(*scale, generator=generator))
+        aspect = math.exp(float(torch.empty(()).uniform_(math.log(3 / 4), math.log(4 / 3), generator=generator)))
+        ch = max(1, min(h, round(math.sqrt(area / aspect))))
+        cw = max(1, min(w, round(math.sqrt(area * aspect))))
+        top = int(torch.randint(0, h - ch + 1, (), generator=generator))
+        left = int(torch.randint(0, w - cw + 1, (), generator=generator))
+        crops.append(normalize(_resize(image[:, top : top + ch, left : left + cw], size)))
+    return torch.stack(crops)
+
+
+def evaluation_images(
+    size: int, crops: int, *, seed: int = 0, names: Sequence[str] = EVALUATION_PHOTOS
+) -> torch.Tensor:
+    """Each evaluation photo whole (central square) plus `crops` random crops of them: [len(names) + crops, 3, s, s]."""
+    photos = load_photos(names)
+    whole = torch.stack([to_model_input(p, size) for p in photos.values()])
+    return torch.cat([whole, random_crops(photos, crops, size, seed=seed)]) if crops else whole
+
+
+def calibration_images(
+    count: int, size: int, *, seed: int = 1, names: Sequence[str] = CALIBRATION_PHOTOS
+) -> torch.Tensor:
+    """`count` random crops of the calibration photos (disjoint from the evaluation photos)."""
+    overlap = set(names) & set(EVALUATION_PHOTOS)
+    if overlap:
+        raise ValueError(
+            f"calibration photos must be kept apart from the evaluation photos; both have {sorted(overlap)}"
+        )
+    return random_crops(load_photos(names), count, size, seed=seed)
