@@ -69,7 +69,7 @@ def nothing_loaded(monkeypatch, tmp_path):
 
     monkeypatch.setattr(TimmViTAdapter, "create_base", classmethod(forbidden("timm create_base")))
     monkeypatch.setattr(HFVisionAdapter, "create_base", classmethod(forbidden("transformers create_base")))
-    monkeypatch.setattr(checkpoint_module, "load_file", forbidden("reading the checkpoint weights"))
+    monkeypatch.setattr(checkpoint_module, "read_state_dict", forbidden("reading the checkpoint weights"))
     monkeypatch.setattr(delta_module, "read_state_dict", forbidden("reading base weights"))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     return tmp_path
@@ -128,7 +128,7 @@ def test_timm_top_level_architecture_must_be_the_vca_patch_entrypoint(timm_ckpt,
 
 def test_unknown_adapter_or_mismatched_library_is_refused(timm_ckpt, nothing_loaded):
     folder = _hostile(timm_ckpt, nothing_loaded / "a", lambda m: m.update(adapter="os"))
-    _refused(folder, nothing_loaded, r"adapter = 'os' is not allowed: expected one of \['hf-vision', 'timm-vit'\]")
+    _refused(folder, nothing_loaded, r"adapter = 'os' is not allowed: expected one of \[.*'hf-vision'.*'timm-vit'\]")
     folder = _hostile(timm_ckpt, nothing_loaded / "b", lambda m: m["base"].update(library="transformers"))
     _refused(folder, nothing_loaded, r"base\.library = 'transformers'.*timm-vit adapter rebuilds timm models")
 

@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 from .attention import MultipoleAttention, TokenLayout, VisualContrastAttention
-from .config import ConfigError, MANOConfig, TargetConfig, VCAConfig
+from .config import ConfigError, DIDBConfig, MANOConfig, TargetConfig, VCAConfig
 from .fidelity import FidelityReport, fidelity  # the function shadows the module name on the package
 from .hub import from_pretrained, push_to_hub
 from .io import save_pretrained
@@ -20,6 +20,7 @@ from .surgery import NothingToPatchError, PatchError, PatchReport, patch_model, 
 
 __all__ = [
     "ConfigError",
+    "DIDBConfig",
     "FidelityReport",
     "MANOConfig",
     "MultipoleAttention",

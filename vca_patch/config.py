@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from .attention import CarriedAttention, MultipoleAttention, VisualContrastAttention
+from .attention.staged_carry import StagedCarriedAttention, default_stage_contrast_tokens
 
 
 class ConfigError(ValueError):
@@ -70,6 +71,13 @@ class TargetConfig:
         """JSON-safe per-layer facts recorded in reports and checkpoints."""
         return {}
 
+    def block_edits(self, block: nn.Module, attention_name: str, layer_index: int) -> dict[str, nn.Module]:
+        """Replacements for other modules of the site's block (the module holding the attention, under
+        `attention_name`): {path inside `block`: new module}, built without changing `block`. Surgery swaps them
+        in with the attention and `unpatch_model` restores the originals (see attention/carried_module.py).
+        Default: none."""
+        return {}
+
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, **dataclasses.asdict(self)}
 
@@ -113,6 +121,10 @@ class VCAConfig(TargetConfig):
         stage2_temperature: add a learnable per-head Stage-II temperature (init 1 = the paper form; on by
             default, since calibration tunes it). False: exactly the paper's parameters.
         layer_contrast_tokens: per-block overrides of contrast_tokens, {block index: n}.
+        stage_contrast_tokens: n per stage of a hierarchical model (PVT, Swin), [stage 1, stage 2, ...]; None: the
+            family default 9/16/49/49 (the paper's lab). contrast_tokens applies to single-grid ViTs only.
+        swin_mode: how Swin window attention converts: "residual" (window attention kept plus a zero-gated
+            global VCA branch; exact at init) or "global" (global VCA on the stage's grid; approximate).
         layers: 0-based block indices to patch; None patches every attention block.
         seed: seed of the random parts of the init (λ vectors; e± and DWC in "paper" mode).
     """
@@ -126,15 +138,26 @@ class VCAConfig(TargetConfig):
     prefix_readout: str = "exact"
     stage2_temperature: bool = True
     layer_contrast_tokens: dict[int, int] | None = None
+    stage_contrast_tokens: list[int] | None = None
+    swin_mode: str = "residual"
 
     @property
     def contrast_grid(self) -> tuple[int, int]:
         side = math.isqrt(self.contrast_tokens)
         return side, side
 
-    def contrast_grid_for(self, layer_index: int) -> tuple[int, int]:
-        """(h, w) of block `layer_index`'s contrast tokens (layer_contrast_tokens overrides contrast_tokens)."""
-        side = math.isqrt((self.layer_contrast_tokens or {}).get(layer_index, self.contrast_tokens))
+    def contrast_grid_for(self, layer_index: int, carried: CarriedAttention | None = None) -> tuple[int, int]:
+        """(h, w) of block `layer_index`'s contrast tokens: layer_contrast_tokens, else (a hierarchical stage's
+        `carried`) stage_contrast_tokens or the family's default for the stage, else contrast_tokens."""
+        n = self.contrast_tokens
+        if isinstance(carried, StagedCarriedAttention):
+            stages = self.stage_contrast_tokens
+            if stages is not None and carried.stage >= len(stages):
+                raise ConfigError(
+                    f"stage_contrast_tokens {stages} has no entry for stage {carried.stage + 1}: give one per stage"
+                )
+            n = stages[carried.stage] if stages is not None else default_stage_contrast_tokens(carried.stage)
+        side = math.isqrt((self.layer_contrast_tokens or {}).get(layer_index, n))
         return side, side
 
     def validate(self) -> None:
@@ -166,22 +189,35 @@ class VCAConfig(TargetConfig):
                     raise ConfigError(f"layer_contrast_tokens[{key}] must be a positive perfect square, got {value!r}")
                 overrides[index] = value
             self.layer_contrast_tokens = overrides or None
+        if self.stage_contrast_tokens is not None:
+            stages = self.stage_contrast_tokens
+            squares = isinstance(stages, (list, tuple)) and all(_is_int(n) and n >= 1 for n in stages)
+            if not stages or not squares or any(math.isqrt(n) ** 2 != n for n in stages):
+                raise ConfigError(f"stage_contrast_tokens must be a list of positive perfect squares, got {stages!r}")
+            self.stage_contrast_tokens = list(stages)
+        if self.swin_mode not in ("residual", "global"):
+            raise ConfigError(f"swin_mode must be 'residual' or 'global', got {self.swin_mode!r}")
 
     def build_layer(self, carried: CarriedAttention, layer_index: int) -> VisualContrastAttention:
-        vca = VisualContrastAttention.from_carried(
-            carried,
-            contrast_grid=self.contrast_grid_for(layer_index),
-            layer_index=layer_index,
-            softmax=self.softmax,
-            rms_eps=self.rms_eps,
-            prefix_readout=self.prefix_readout,
-            stage2_temperature=self.stage2_temperature,
-        )
+        settings = {
+            "contrast_grid": self.contrast_grid_for(layer_index, carried),
+            "layer_index": layer_index,
+            "softmax": self.softmax,
+            "rms_eps": self.rms_eps,
+            "prefix_readout": self.prefix_readout,
+            "stage2_temperature": self.stage2_temperature,
+        }
+        if isinstance(carried, StagedCarriedAttention):  # a hierarchical stage builds its own VCA variant
+            mode = getattr(self, carried.mode_option) if carried.mode_option else None
+            vca = carried.build_vca(mode, **settings)
+        else:
+            vca = VisualContrastAttention.from_carried(carried, **settings)
         vca.reset_vca_parameters(self.init)
         return vca
 
     def layer_settings(self, layer: VisualContrastAttention) -> dict[str, Any]:
-        return {"contrast_tokens": layer.num_contrast_tokens, "lambda_init": layer.lambda_init}
+        settings = {"contrast_tokens": layer.num_contrast_tokens, "lambda_init": layer.lambda_init}
+        return {**settings, **getattr(layer, "hierarchical_settings", {})}  # stage, mode, grid of PVT/Swin layers
 
 
 def _is_int(value: Any) -> bool:
@@ -263,3 +299,6 @@ class MANOConfig(TargetConfig):
             "down": layer.down_mode,
             "up": layer.up_mode,
         }
+
+
+from .didb.config import DIDBConfig  # noqa: E402, F401  (registers target "didb"; imports this module's classes)

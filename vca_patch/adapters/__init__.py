@@ -5,13 +5,16 @@ from __future__ import annotations
 from torch import nn
 
 from .base import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite
+from .diffusers_dit import DiffusersDiTAdapter
 from .generic import GenericAdapter
 from .hf_vision import HFVisionAdapter
+from .timm_pvt import TimmPVTAdapter
+from .timm_swin import TimmSwinAdapter
 from .timm_vit import TimmViTAdapter
 
-ADAPTERS: dict[str, type[ModelAdapter]] = {
-    adapter.name: adapter for adapter in (TimmViTAdapter, HFVisionAdapter, GenericAdapter)
-}
+# First match wins: the family adapters before generic detection.
+_ORDER = (TimmViTAdapter, TimmPVTAdapter, TimmSwinAdapter, HFVisionAdapter, DiffusersDiTAdapter, GenericAdapter)
+ADAPTERS: dict[str, type[ModelAdapter]] = {adapter.name: adapter for adapter in _ORDER}
 
 
 def adapter_for(model: nn.Module) -> ModelAdapter | None:

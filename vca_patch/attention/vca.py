@@ -355,9 +355,19 @@ class VisualContrastAttention(CarriedAttentionLayer):
             )
 
     def attend(
-        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: TokenLayout,
+        local_values: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Everything after the q/k/v projection: x [B, N, dim] and q, k, v [B, M, N, d] -> [B, N, dim_out]."""
+        """Everything after the q/k/v projection: x [B, N, dim] and q, k, v [B, M, N, d] -> [B, N, dim_out].
+
+        k and v may hold fewer tokens than q (keys of a spatial reduction); the local term then reads
+        `local_values` ([B, M, N, d] on the query grid) instead of v.
+        """
         n, P = self.num_contrast_tokens, layout.num_prefix_tokens
         exact = P if self.prefix_readout == "exact" else 0  # prefix rows read all N keys in Stage I
         q, k = self.q_norm(q), self.k_norm(k)
@@ -391,7 +401,7 @@ class VisualContrastAttention(CarriedAttentionLayer):
             k_pos, k_neg = keys.split(n, dim=2)
             o = F.scaled_dot_product_attention(q, k_pos, v_hat, scale=self.scale)
             o = o - lambda2 * F.scaled_dot_product_attention(q, k_neg, v_hat, scale=self.scale)
-        return self.output(x, o, prefix_out, v, layout)
+        return self.output(x, o, prefix_out, v if local_values is None else local_values, layout)
 
     def output(
         self, x: torch.Tensor, o: torch.Tensor, prefix_out: torch.Tensor, v: torch.Tensor, layout: TokenLayout

@@ -19,7 +19,10 @@ import re
 from typing import Any
 
 TIMM_ARCHITECTURE = "vca_patch"  # the timm entrypoint registered by vca_patch.hub.timm_entrypoint
-ADAPTER_LIBRARIES = {"timm-vit": "timm", "hf-vision": "transformers"}  # adapter name -> library it rebuilds
+ADAPTER_LIBRARIES = {  # adapter name -> library it rebuilds
+    "timm-vit": "timm", "timm-pvt": "timm", "timm-swin": "timm", "hf-vision": "transformers",
+    "diffusers-dit": "diffusers",
+}  # fmt: skip
 
 # Plain keyword arguments of timm's ViT-style constructors (VisionTransformer, Eva, Beit, Cait): sizes, depths,
 # flags, rates and names of built-in options; no layer classes, callables, files or pretrained-config overlays.
@@ -41,6 +44,9 @@ TIMM_MODEL_ARGS = frozenset(
         # regularisation and init
         "drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate",
         "weight_init", "fix_init", "head_init_scale",
+        # hierarchical models (PVTv2, Swin): per-stage geometry
+        "depths", "embed_dims", "sr_ratios", "mlp_ratios", "linear", "window_size", "always_partition",
+        "strict_img_size",
     }
 )  # fmt: skip
 # timm.create_model keywords that read files or replace the pretrained config.
@@ -271,7 +277,14 @@ def check_transformers_base(base: dict[str, Any], where: str) -> None:
 
 # -- the whole config.json ------------------------------------------------------------------------------
 
-_BASE_CHECKS = {"timm": check_timm_base, "transformers": check_transformers_base}
+def check_diffusers_base(base: dict[str, Any], where: str) -> None:
+    """The diffusers adapter's own check (imported here lazily: the adapter imports this module's helpers)."""
+    from ..adapters.diffusers_dit import check_diffusers_base as check
+
+    check(base, where)
+
+
+_BASE_CHECKS = {"timm": check_timm_base, "transformers": check_transformers_base, "diffusers": check_diffusers_base}
 
 
 def check_loadable(meta: dict[str, Any], where: str) -> None:

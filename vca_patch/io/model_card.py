@@ -221,21 +221,43 @@ _MANO_CITATION = """@article{colagrande2025mano,
 
 def _method(config: dict[str, Any]) -> tuple[str, str, str, str]:
     """(attention name, one-paragraph description, conversion-table rows, BibTeX) of the config's target."""
-    if config.get("target") == "mano":
-        levels = config["levels"] if config.get("levels") is not None else "auto"
-        intro = (
-            "[Multipole Attention](https://arxiv.org/abs/2507.02748) (MANO) with\n"
-            f"[vca-patch](https://pypi.org/project/vca-patch/). MANO attends within {config['window']}×"
-            f"{config['window']} windows on a hierarchy of grids\ncoarsened by {config['rate']} "
-            "and combined in a V-cycle, so attention costs O(N·C·(C + k²)) instead of O(N²·C)."
-        )
-        rows = (
-            f"| window k / rate r / levels | {config['window']} / {config['rate']} / {levels} |\n"
-            f"| down / up | {config['down']} / {config['up']} |\n"
-            f"| prefix tokens | {config['prefix']} |\n"
-            f"| initialisation | {config['init']} |"
-        )
-        return "Multipole Attention", intro, rows, _MANO_CITATION
+    renderer = _METHODS.get(config.get("target"), _generic_method)
+    return renderer(config)
+
+
+_SELECTION_FIELDS = {"target", "layers", "include", "exclude", "seed"}
+
+
+def _generic_method(config: dict[str, Any]) -> tuple[str, str, str, str]:
+    """Any registered target: its config class's summary line and every setting."""
+    from ..config import CONFIG_TYPES
+
+    cls = CONFIG_TYPES.get(config.get("target"))
+    summary = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".") if cls is not None else ""
+    name = summary or f"the {config.get('target')} target"
+    intro = f"{name}, applied with [vca-patch](https://pypi.org/project/vca-patch/)."
+    rows = "\n".join(f"| {key} | {value} |" for key, value in config.items() if key not in _SELECTION_FIELDS)
+    return name, intro, rows, getattr(cls, "citation", "") or "% no citation recorded for this target"
+
+
+def _mano_method(config: dict[str, Any]) -> tuple[str, str, str, str]:
+    levels = config["levels"] if config.get("levels") is not None else "auto"
+    intro = (
+        "[Multipole Attention](https://arxiv.org/abs/2507.02748) (MANO) with\n"
+        f"[vca-patch](https://pypi.org/project/vca-patch/). MANO attends within {config['window']}×"
+        f"{config['window']} windows on a hierarchy of grids\ncoarsened by {config['rate']} "
+        "and combined in a V-cycle, so attention costs O(N·C·(C + k²)) instead of O(N²·C)."
+    )
+    rows = (
+        f"| window k / rate r / levels | {config['window']} / {config['rate']} / {levels} |\n"
+        f"| down / up | {config['down']} / {config['up']} |\n"
+        f"| prefix tokens | {config['prefix']} |\n"
+        f"| initialisation | {config['init']} |"
+    )
+    return "Multipole Attention", intro, rows, _MANO_CITATION
+
+
+def _vca_method(config: dict[str, Any]) -> tuple[str, str, str, str]:
     intro = (
         f"[Visual-Contrast Attention]({PAPER}) (VCA, NeurIPS 2025) with\n"
         f"[vca-patch](https://pypi.org/project/vca-patch/). VCA attends through {config['contrast_tokens']} pooled\n"
@@ -247,6 +269,9 @@ def _method(config: dict[str, Any]) -> tuple[str, str, str, str]:
         f"| initialisation | {config['init']} |"
     )
     return "Visual-Contrast Attention", intro, rows, _VCA_CITATION
+
+
+_METHODS = {"vca": _vca_method, "mano": _mano_method}  # targets with a hand-written card text; others: generic
 
 
 def render_model_card(meta: dict[str, Any], repo_id: str | None = None) -> str:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..adapters import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite, adapter_for
+from ..attention.carried_module import keep_block_original, restore_block_edit
 from ..attention.layout import close_scope
 from ..config import ConfigError, TargetConfig, VCAConfig
 from .report import PatchedSite, PatchReport
@@ -33,7 +34,8 @@ class PatchState:
     config: TargetConfig
     report: PatchReport
     tracker: LayoutTracker
-    originals: dict[str, nn.Module]
+    originals: dict[str, Any]  # path -> the replaced module (or what the adapter's install returned, see _install)
+    block_originals: dict[str, nn.Module] = field(default_factory=dict)  # path -> module a block edit replaced
 
 
 def _count_params(model: nn.Module) -> int:
@@ -79,6 +81,43 @@ def _swap(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
     return old
 
 
+def _install(adapter: ModelAdapter, model: nn.Module, path: str, new: nn.Module) -> Any:
+    """Put `new` in place of the attention at `path`; returns what `_uninstall` needs to undo it.
+
+    By default the module is swapped (the original kept on the replacement for `.to()` and unpatching). An adapter
+    whose library swaps attention *implementations* inside a module it keeps (diffusers processors) defines
+    `install_replacement(model, path, new) -> saved` and `remove_replacement(model, path, saved)` instead.
+    """
+    install = getattr(adapter, "install_replacement", None)
+    if install is not None:
+        return install(model, path, new)
+    old = _swap(model, path, new)
+    new.keep_original(old)
+    return old
+
+
+def _uninstall(adapter: ModelAdapter, model: nn.Module, path: str, saved: Any) -> None:
+    """Undo `_install`: the original module (with the current carried weights) or the adapter's own undo."""
+    remove = getattr(adapter, "remove_replacement", None)
+    if remove is not None:
+        remove(model, path, saved)
+        return
+    model.get_submodule(path).restore_into(saved)  # parameters replaced since patching (assign=True, ...)
+    _swap(model, path, saved)
+
+
+def _block_edits(model: nn.Module, config: TargetConfig, site: AttentionSite) -> dict[str, nn.Module]:
+    """config.block_edits for the site's block (the module holding it), as {model path: new module}."""
+    block_path, _, name = site.path.rpartition(".")
+    block = model.get_submodule(block_path) if block_path else model
+    edits = config.block_edits(block, name, site.layer_index)
+    for rel in edits:
+        if not rel or rel == name or rel.startswith(name + "."):
+            raise PatchError(f"{type(config).__name__}.block_edits may not replace the attention itself ({rel!r})")
+        block.get_submodule(rel)  # it must exist
+    return {(block_path + "." if block_path else "") + rel: new for rel, new in edits.items()}
+
+
 def _plan(model: nn.Module, config: TargetConfig, strict: bool):
     """Find, verify, select and build every replacement without touching the model."""
     config.validate()
@@ -109,12 +148,9 @@ def _plan(model: nn.Module, config: TargetConfig, strict: bool):
         listed = "; ".join(f"{s.path} [{s.class_name}]: {s.reason}" for s in skipped) or "none found"
         raise NothingToPatchError(f"{type(model).__name__} has no attention module that can be converted ({listed})")
     chosen, unselected = _select(sites, config)
-    if strict:
-        refused = [f"{s.path}: {'; '.join(s.notes) or 'not verified'}" for s in chosen if s.notes or not s.verified]
-        if refused:
-            raise PatchError("strict mode refuses approximate or unverified conversions: " + "; ".join(refused))
     params_before = _count_params(model)
     replacements: dict[str, nn.Module] = {}
+    block_edits: dict[str, dict[str, nn.Module]] = {}  # site path -> {module path: new module}
     built = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
@@ -122,18 +158,24 @@ def _plan(model: nn.Module, config: TargetConfig, strict: bool):
             try:
                 replacements[site.path] = config.build_layer(adapter.carry(site), site.layer_index)
                 adapter.adapt_call(replacements[site.path], site)
+                block_edits[site.path] = _block_edits(model, config, site)
                 built.append(site)
             except (ConfigError, PatchError):  # the user's settings: refused whole, nothing changed
                 raise
             except Exception as error:  # one module the target cannot be built for: skip it, say why
                 replacements.pop(site.path, None)
+                block_edits.pop(site.path, None)
                 unselected.append(
                     SkippedSite(site.path, site.class_name, f"could not build the replacement: {_error_text(error)}")
                 )
     if not built:
         listed = "; ".join(f"{s.path}: {s.reason}" for s in unselected)
         raise NothingToPatchError(f"no replacement could be built ({listed})")
-    return adapter, built, skipped + unselected, replacements, params_before
+    if strict:  # after the build: a layer may add what it approximates (e.g. Swin's global mode) to the notes
+        refused = [f"{s.path}: {'; '.join(s.notes) or 'not verified'}" for s in built if s.notes or not s.verified]
+        if refused:
+            raise PatchError("strict mode refuses approximate or unverified conversions: " + "; ".join(refused))
+    return adapter, built, skipped + unselected, replacements, block_edits, params_before
 
 
 def _error_text(error: Exception) -> str:
@@ -142,7 +184,11 @@ def _error_text(error: Exception) -> str:
     return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
 
 
-def _report(adapter, model, config, chosen, skipped, replacements, params_before) -> PatchReport:
+def _report(adapter, model, config, chosen, skipped, replacements, block_edits, params_before) -> PatchReport:
+    def edits_added(site: AttentionSite) -> int:  # called before the edits are swapped in
+        edits = block_edits.get(site.path, {})
+        return sum(_count_params(new) - _count_params(model.get_submodule(path)) for path, new in edits.items())
+
     patched = [
         PatchedSite(
             path=site.path,
@@ -151,7 +197,7 @@ def _report(adapter, model, config, chosen, skipped, replacements, params_before
             dim=site.dim,
             num_heads=site.num_heads,
             settings=config.layer_settings(replacements[site.path]),
-            params_added=_count_params(replacements[site.path]) - _count_params(site.module),
+            params_added=_count_params(replacements[site.path]) - _count_params(site.module) + edits_added(site),
             notes=site.notes,
             verified=site.verified,
         )
@@ -165,8 +211,8 @@ def _report(adapter, model, config, chosen, skipped, replacements, params_before
 def inspect_model(model: nn.Module, config: TargetConfig | None = None, *, strict: bool = False) -> PatchReport:
     """Dry run: the report `patch_model` would give, leaving the model exactly as it is."""
     config = config or VCAConfig()
-    adapter, chosen, skipped, replacements, params_before = _plan(model, config, strict)
-    return _report(adapter, model, config, chosen, skipped, replacements, params_before)
+    adapter, chosen, skipped, replacements, block_edits, params_before = _plan(model, config, strict)
+    return _report(adapter, model, config, chosen, skipped, replacements, block_edits, params_before)
 
 
 def patch_model(model: nn.Module, config: TargetConfig | None = None, *, strict: bool = False) -> PatchReport:
@@ -180,24 +226,30 @@ def patch_model(model: nn.Module, config: TargetConfig | None = None, *, strict:
     config = config or VCAConfig()
     if get_patch_state(model) is not None:
         raise PatchError("model is already patched; call vca_patch.unpatch_model(model) first")
-    adapter, chosen, skipped, replacements, params_before = _plan(model, config, strict)
+    adapter, chosen, skipped, replacements, block_edits, params_before = _plan(model, config, strict)
 
     tracker = adapter.install_layout_tracker(model)
-    originals: dict[str, nn.Module] = {}
+    originals: dict[str, Any] = {}
+    block_originals: dict[str, nn.Module] = {}
     try:
+        # Before anything is installed: an adapter that installs into the original module (a processor) grows it.
+        report = _report(adapter, model, config, chosen, skipped, replacements, block_edits, params_before)
         for path, new in replacements.items():
             new.layout_source = tracker.current
-            originals[path] = _swap(model, path, new)
-            new.keep_original(originals[path])
+            originals[path] = _install(adapter, model, path, new)
+        for path, new in (item for edits in block_edits.values() for item in edits.items()):
+            block_originals[path] = _swap(model, path, new)
+            keep_block_original(new, block_originals[path])
     except BaseException:
-        for path, old in originals.items():
+        for path, old in block_originals.items():
             _swap(model, path, old)
+        for path, old in originals.items():
+            _uninstall(adapter, model, path, old)
         adapter.remove_layout_tracker(model)
         raise
 
-    report = _report(adapter, model, config, chosen, skipped, replacements, params_before)
     close_scope(tracker)  # the report's probe of the native layout is no forward of the model's
-    model.__dict__[STATE_ATTR] = PatchState(adapter, config, report, tracker, originals)
+    model.__dict__[STATE_ATTR] = PatchState(adapter, config, report, tracker, originals, block_originals)
     return report
 
 
@@ -207,7 +259,9 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     if state is None:
         raise PatchError("model is not patched by vca_patch")
     for path, original in state.originals.items():
-        model.get_submodule(path).restore_into(original)  # parameters replaced since patching (assign=True, ...)
+        _uninstall(state.adapter, model, path, original)
+    for path, original in state.block_originals.items():  # block edits (TargetConfig.block_edits)
+        restore_block_edit(model.get_submodule(path), original)
         _swap(model, path, original)
     state.adapter.remove_layout_tracker(model)
     del model.__dict__[STATE_ATTR]

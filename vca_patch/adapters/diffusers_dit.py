@@ -1,0 +1,244 @@
+"""Diffusion transformers in diffusers (0.42 layout): DiT, PixArt-α/Σ, and SD3.5's image-only `attn2`.
+
+Every `Attention` / `AttentionModuleMixin` module is classified:
+
+- **image self-attention** (DiT `attn1`, PixArt `attn1`, SD3.5 `attn2`): converted. The token grid comes from the
+  patch embedding's input latent (H/p × W/p, any resolution and aspect ratio); no prefix tokens.
+- **joint attention** (image + text: SD3 `attn`, Flux): skipped, not supported yet.
+- **cross-attention** (PixArt `attn2`, image → text): skipped; it already costs N·L, linear in N.
+- **already linear** (Sana's ReLU linear attention) and **unknown processors** (IP-Adapter, PAG, fused
+  projections, custom): skipped, with the processor named.
+
+A site is converted by swapping its processor (`adapters.diffusers_processor.CarriedLayerProcessor`), so
+`to_q/to_k/to_v/to_out` keep their state-dict names and `unpatch_model` puts the original processor object back.
+diffusers is imported only when a diffusers model is seen (optional extra `vca-patch[diffusers]`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import nn
+
+from ..attention import CarriedAttention, TokenLayout
+from ..attention.fused_qkv import SplitQKV
+from .base import AttentionSite, ModelAdapter, SkippedSite
+from .diffusers_processor import NEW_PARAMETERS, CarriedLayerProcessor, new_members
+
+# Model classes whose patched form `create_base` rebuilds from their diffusers config.
+ARCHITECTURES = ("DiTTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel")
+# Processors computing plain softmax attention over `to_q/to_k/to_v` (JointAttnProcessor2_0: only without
+# added text projections, where it is SD3.5's image-only self-attention).
+_SOFTMAX_PROCESSORS = ("AttnProcessor2_0", "AttnProcessor", "JointAttnProcessor2_0")
+_LINEAR_PROCESSORS = (
+    "SanaLinearAttnProcessor2_0",
+    "PAGCFGSanaLinearAttnProcessor2_0",
+    "PAGIdentitySanaLinearAttnProcessor2_0",
+)
+_BLOCK_INDEX = re.compile(r"(?:^|\.)(?:single_)?transformer_blocks\.(\d+)\.")
+_QKV = ("to_q", "to_k", "to_v")
+_CONFIG_KEY = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def _attention_types() -> tuple[type, ...]:
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
+
+    return Attention, AttentionModuleMixin
+
+
+def _patch_embedding(model: nn.Module) -> nn.Module | None:
+    """The model's diffusers `PatchEmbed` (latent [B, C, H, W] -> tokens), a direct child; else None."""
+    from diffusers.models.embeddings import PatchEmbed
+
+    return next((m for m in model.children() if isinstance(m, PatchEmbed)), None)
+
+
+def _grid(conv: nn.Conv2d, height: int, width: int) -> tuple[int, int]:
+    (kh, kw), (sh, sw) = conv.kernel_size, conv.stride
+    return (height - kh) // sh + 1, (width - kw) // sw + 1
+
+
+def classify(module: nn.Module) -> tuple[str, str | None]:
+    """(kind, why it is skipped or None) of a diffusers attention module; kind is "self", "joint", "cross",
+    "linear" or "unknown"."""
+    processor = getattr(module, "processor", None)
+    name = type(processor).__name__
+    where = f"{type(processor).__module__}.{name}"
+    if name in _LINEAR_PROCESSORS:
+        return "linear", f"already linear attention ({name}): nothing to convert"
+    if getattr(module, "added_kv_proj_dim", None) is not None or getattr(module, "add_q_proj", None) is not None:
+        return "joint", "joint (image + text) attention: not supported yet; left as softmax attention"
+    if getattr(module, "is_cross_attention", False) or getattr(module, "only_cross_attention", False):
+        return "cross", "cross-attention (image -> text, already O(N·L)): left as it is"
+    if name not in _SOFTMAX_PROCESSORS:
+        return "unknown", (
+            f"unknown attention processor {where} (IP-Adapter, PAG, fused projections or custom): not converted; "
+            "call model.set_default_attn_processor() first if it is a plain softmax processor"
+        )
+    projections = [getattr(module, n, None) for n in _QKV]
+    to_out = getattr(module, "to_out", None)
+    if not all(isinstance(p, nn.Linear) for p in projections) or not isinstance(to_out, nn.ModuleList):
+        return "unknown", "expected to_q/to_k/to_v Linear layers and a to_out list"
+    if not isinstance(to_out[0], nn.Linear) or len({p.out_features for p in projections}) != 1:
+        return "unknown", "to_out[0] is not a Linear, or q/k/v widths differ (grouped-query attention)"
+    unsupported = [
+        label
+        for label, on in (
+            ("spatial_norm", getattr(module, "spatial_norm", None) is not None),
+            ("group_norm", getattr(module, "group_norm", None) is not None),
+            ("residual_connection", bool(getattr(module, "residual_connection", False))),
+            ("rescale_output_factor", getattr(module, "rescale_output_factor", 1.0) != 1.0),
+        )
+        if on
+    ]
+    if unsupported:
+        return "unknown", f"attention options the VCA processor does not apply: {', '.join(unsupported)}"
+    return "self", None
+
+
+class DiffusersDiTAdapter(ModelAdapter):
+    """Converts the image self-attention of diffusers diffusion transformers by swapping attention processors."""
+
+    name = "diffusers-dit"
+
+    @classmethod
+    def applies_to(cls, model: nn.Module) -> bool:
+        if not type(model).__module__.startswith("diffusers."):
+            return False
+        return _patch_embedding(model) is not None
+
+    def find_sites(self, model: nn.Module) -> tuple[list[AttentionSite], list[SkippedSite]]:
+        attention_types = _attention_types()
+        sites: list[AttentionSite] = []
+        skipped: list[SkippedSite] = []
+        for path, module in model.named_modules():
+            if not isinstance(module, attention_types):
+                continue
+            _, reason = classify(module)
+            match = _BLOCK_INDEX.search(path + ".")
+            if reason is None and match is None:
+                reason = "not inside a transformer block"
+            if reason is not None:
+                skipped.append(SkippedSite(path, type(module).__name__, reason))
+                continue
+            sites.append(AttentionSite(path, module, int(match.group(1)), module.to_q.in_features, module.heads))
+        return sites, skipped
+
+    def embedding_module(self, model: nn.Module) -> nn.Module:
+        return _patch_embedding(model)
+
+    def layout_from_embedding(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> TokenLayout:
+        latent = args[0] if args else kwargs["latent"]
+        grid = _grid(module.proj, *latent.shape[-2:])
+        if output.shape[1] != grid[0] * grid[1]:
+            raise ValueError(
+                f"{type(module).__name__} gave {output.shape[1]} tokens for a {grid[0]}x{grid[1]} patch grid"
+            )
+        return TokenLayout(0, grid)
+
+    def default_layout(self, model: nn.Module) -> TokenLayout | None:
+        size = getattr(model.config, "sample_size", None)
+        if size is None:
+            return None
+        height, width = (size, size) if isinstance(size, int) else tuple(size)
+        return TokenLayout(0, _grid(self.embedding_module(model).proj, height, width))
+
+    def carry(self, site: AttentionSite) -> CarriedAttention:
+        attn = site.module
+        return CarriedAttention(
+            qkv=SplitQKV(attn, _QKV),
+            proj=attn.to_out[0],
+            num_heads=attn.heads,
+            head_dim=attn.to_q.out_features // attn.heads,
+            q_norm=attn.norm_q if attn.norm_q is not None else nn.Identity(),
+            k_norm=attn.norm_k if attn.norm_k is not None else nn.Identity(),
+            proj_drop=attn.to_out[1] if len(attn.to_out) > 1 else nn.Identity(),
+        )
+
+    def adapt_call(self, replacement: nn.Module, site: AttentionSite) -> None:
+        """Nothing: the processor (`install_replacement`) speaks diffusers' call convention."""
+
+    # -- processor swap (see surgery.patch: adapters that install replacements themselves) -------------------
+
+    def install_replacement(self, model: nn.Module, path: str, layer: nn.Module) -> Any:
+        """Make `layer` the processor of the attention at `path`; returns the original processor."""
+        attn = model.get_submodule(path)
+        if NEW_PARAMETERS in attn._modules:
+            raise ValueError(f"{path} already has a child {NEW_PARAMETERS!r}")
+        sources = {name: name for name in _QKV}
+        sources[layer._proj_name] = "to_out.0"
+        for member, source, present in (
+            ("q_norm", "norm_q", attn.norm_q is not None),
+            ("k_norm", "norm_k", attn.norm_k is not None),
+            ("proj_drop", "to_out.1", len(attn.to_out) > 1),
+        ):
+            if present:
+                sources[member] = source
+        original = attn.processor
+        attn.add_module(NEW_PARAMETERS, new_members(layer, attn))
+        attn.set_processor(CarriedLayerProcessor(layer, sources, original))
+        return original
+
+    def remove_replacement(self, model: nn.Module, path: str, original: Any) -> None:
+        """Put the original processor object back and drop the new parameters."""
+        attn = model.get_submodule(path)
+        attn.set_processor(original)
+        attn._modules.pop(NEW_PARAMETERS, None)
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+
+    def describe_base(self, model: nn.Module) -> dict[str, Any]:
+        architecture = type(model).__name__
+        if architecture not in ARCHITECTURES:
+            raise ValueError(f"{architecture} cannot be saved by vca-patch yet; supported: {', '.join(ARCHITECTURES)}")
+        config = {k: list(v) if isinstance(v, tuple) else v for k, v in model.config.items() if not k.startswith("_")}
+        name = model.config.get("_name_or_path", "") or None
+        return {
+            "library": "diffusers",
+            "architecture": architecture,
+            "config": config,
+            "hf_hub_id": name if name and re.fullmatch(r"[\w.-]+/[\w.-]+", name) else None,
+            "license": None,
+        }
+
+    @classmethod
+    def create_base(cls, description: dict[str, Any]) -> nn.Module:
+        check_diffusers_base(description, "create_base")
+        import diffusers
+
+        return getattr(diffusers, description["architecture"]).from_config(description["config"])
+
+
+def check_diffusers_base(base: dict[str, Any], where: str) -> None:
+    """Refuse a diffusers base description that names anything but a supported model class and plain options
+    (for io.config_guard's per-library base checks)."""
+    from ..io.config_guard import UnsafeConfigError
+
+    architecture = base.get("architecture")
+    if architecture not in ARCHITECTURES:
+        raise UnsafeConfigError(
+            f"{where}: base.architecture = {architecture!r} is not allowed: expected one of {', '.join(ARCHITECTURES)}"
+        )
+    config = base.get("config")
+    if not isinstance(config, dict):
+        raise UnsafeConfigError(f"{where}: base.config must be an object of {architecture} constructor options")
+    scalar = (bool, int, float, str, type(None))
+    for key, value in config.items():
+        plain = isinstance(value, scalar) or (isinstance(value, list) and all(isinstance(v, scalar) for v in value))
+        if not isinstance(key, str) or not _CONFIG_KEY.fullmatch(key) or not plain:
+            raise UnsafeConfigError(
+                f"{where}: base.config.{key} = {value!r:.80} is not allowed: expected plain constructor options"
+            )
+        if re.search(r"(?:^|_)(?:path|file|url|dir|directory)$", key) and value not in (None, ""):
+            raise UnsafeConfigError(f"{where}: base.config.{key} names a file or URL; not allowed")
+
+
+def patched_processors(model: nn.Module) -> dict[str, CarriedLayerProcessor]:
+    """Attention path -> its vca_patch processor, for a diffusers model patched by this adapter."""
+    return {
+        path: m.processor
+        for path, m in model.named_modules()
+        if isinstance(getattr(m, "processor", None), CarriedLayerProcessor)
+    }

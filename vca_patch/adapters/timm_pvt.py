@@ -1,0 +1,168 @@
+"""timm PVTv2 (`pvt_v2_*`): spatial-reduction attention converted with its reduction kept (exact carry).
+
+Each stage has its own grid, and PVT hands every attention call its `feat_size`, so the layer takes the layout
+from the call. λ_init follows the global block index over all stages (0 … depth−1). The `*_li` models' attention
+is already linear (keys pooled to 7×7) and is skipped.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import TokenLayout
+from ..attention.q_kv_view import QAndKV
+from ..attention.staged_carry import CarriedReductionAttention
+from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
+from .verify import TOLERANCE
+
+_RECORDED_ARGS = ("num_classes", "global_pool")
+LINEAR_ATTENTION_REASON = "linear attention already (keys pooled to 7x7): nothing for VCA to make linear"
+
+
+def _is_pvt_v2(model: nn.Module) -> bool:
+    return type(model).__module__ == "timm.models.pvt_v2" and hasattr(model, "stages")
+
+
+def _conv_out(size: tuple[int, int], conv: nn.Conv2d) -> tuple[int, int]:
+    """The spatial output size of `conv` on a `size` input."""
+    return tuple(
+        (s + 2 * p - d * (k - 1) - 1) // st + 1
+        for s, p, d, k, st in zip(size, conv.padding, conv.dilation, conv.kernel_size, conv.stride, strict=True)
+    )
+
+
+def _input_size(model: nn.Module) -> tuple[int, int]:
+    size = (getattr(model, "pretrained_cfg", None) or {}).get("input_size") or (3, 224, 224)
+    return int(size[-2]), int(size[-1])
+
+
+def reference_reduction_attention(carried: CarriedReductionAttention, x: torch.Tensor, grid: tuple[int, int]):
+    """Spatial-reduction softmax attention from `carried`'s weights, written out: [B, H·W, C] -> [B, H·W, C]."""
+    B, N, C = x.shape
+    M, d = carried.num_heads, carried.head_dim
+    (w_q, b_q), (w_k, b_k), (w_v, b_v) = carried.qkv.projections()
+    reduced = x
+    if carried.sr is not None:
+        reduced = carried.sr(x.transpose(1, 2).reshape(B, C, *grid)).flatten(2).transpose(1, 2)
+        reduced = carried.reduction_norm(reduced)
+    q = F.linear(x, w_q, b_q).view(B, N, M, d).transpose(1, 2)
+    k, v = (F.linear(reduced, w, b).view(B, -1, M, d).transpose(1, 2) for w, b in ((w_k, b_k), (w_v, b_v)))
+    weights = torch.softmax((q @ k.transpose(-1, -2)) * d**-0.5, dim=-1)
+    return carried.proj((weights @ v).transpose(1, 2).reshape(B, N, M * d))
+
+
+class TimmPVTAdapter(ModelAdapter):
+    """Converts timm PVTv2 spatial-reduction attention to `SpatialReductionVCA` (q, kv, sr, norm, proj carried)."""
+
+    name = "timm-pvt"
+
+    def __init__(self) -> None:
+        self._stages: dict[str, tuple[int, dict[str, Any]]] = {}  # site path -> (stage, report settings)
+
+    @classmethod
+    def applies_to(cls, model: nn.Module) -> bool:
+        return _is_pvt_v2(model)
+
+    def stage_grids(self, model: nn.Module) -> list[tuple[int, int]]:
+        """Each stage's grid at the model's native input size (conv arithmetic of the patch embeddings)."""
+        grid = _conv_out(_input_size(model), model.patch_embed.proj)
+        grids = []
+        for stage in model.stages:
+            if stage.downsample is not None:
+                grid = _conv_out(grid, stage.downsample.proj)
+            grids.append(grid)
+        return grids
+
+    def find_sites(self, model: nn.Module) -> tuple[list[AttentionSite], list[SkippedSite]]:
+        sites: list[AttentionSite] = []
+        skipped: list[SkippedSite] = []
+        index = 0
+        for i, (stage, grid) in enumerate(zip(model.stages, self.stage_grids(model), strict=True)):
+            for j, block in enumerate(stage.blocks):
+                path, attn = f"stages.{i}.blocks.{j}.attn", block.attn
+                if getattr(attn, "pool", None) is not None:
+                    skipped.append(SkippedSite(path, type(attn).__name__, LINEAR_ATTENTION_REASON))
+                else:
+                    text = f"{grid[0]}x{grid[1]}"
+                    if attn.sr is not None:
+                        keys = _conv_out(grid, attn.sr)
+                        text += f", keys {keys[0]}x{keys[1]} (sr {attn.sr.stride[0]})"
+                    self._stages[path] = (i, {"stage": i, "grid": text})
+                    notes = list(filter(None, [attention_dropout_note(attn)]))
+                    sites.append(AttentionSite(path, attn, index, attn.dim, attn.num_heads, notes))
+                index += 1
+        return sites, skipped
+
+    def embedding_module(self, model: nn.Module) -> nn.Module:
+        return model.patch_embed
+
+    def layout_from_embedding(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> TokenLayout:
+        return TokenLayout(0, (int(output.shape[1]), int(output.shape[2])))  # NHWC: stage 1's grid
+
+    def default_layout(self, model: nn.Module) -> TokenLayout | None:
+        return TokenLayout(0, self.stage_grids(model)[0])
+
+    def carry(self, site: AttentionSite) -> CarriedReductionAttention:
+        attn = site.module
+        stage, settings = self._stages[site.path]
+        return CarriedReductionAttention(
+            qkv=QAndKV(attn), proj=attn.proj, num_heads=attn.num_heads, head_dim=attn.head_dim,
+            proj_drop=attn.proj_drop, stage=stage, settings=settings, sr=attn.sr, reduction_norm=attn.norm,
+        )  # fmt: skip
+
+    def adapt_call(self, replacement: nn.Module, site: AttentionSite) -> None:
+        """PVT calls `attn(x, feat_size)`, which `SpatialReductionVCA` takes as it is."""
+
+    @torch.no_grad()
+    def verify(self, site: AttentionSite) -> AttentionSite:
+        """The module must equal spatial-reduction softmax attention built from its q, kv, sr, norm and proj."""
+        module = site.module
+        weight = next(module.parameters())
+        if weight.is_meta:
+            return site
+        carried = self.carry(site)
+        ratio = max(carried.sr.stride[0] if carried.sr is not None else 1, 2)
+        grid = (2 * ratio, 3 * ratio)  # not square: a transposed grid would show
+        if weight.dtype in (torch.float16, torch.bfloat16):  # checked in float32, on a copy (as `verify`)
+            module, carried = copy.deepcopy((module, carried))
+            module.float()
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(2, grid[0] * grid[1], site.dim, generator=generator).to(next(module.parameters()))
+        was_training = module.training
+        module.eval()
+        try:
+            expected = module(x, grid)
+        finally:
+            module.train(was_training)
+        error = float((reference_reduction_attention(carried, x, grid) - expected).norm() / expected.norm())
+        site.verified = error < TOLERANCE
+        if not site.verified:
+            site.notes.append(f"reference spatial-reduction attention differs by {error:.2g} (relative)")
+        return site
+
+    def describe_base(self, model: nn.Module) -> dict[str, Any]:
+        cfg = dict(getattr(model, "pretrained_cfg", None) or {})
+        args = {key: getattr(model, key) for key in _RECORDED_ARGS if hasattr(model, key)}
+        args["in_chans"] = model.patch_embed.proj.in_channels
+        return {
+            "library": "timm",
+            "architecture": cfg.get("architecture") or type(model).__name__,
+            "pretrained_tag": cfg.get("tag"),
+            "hf_hub_id": cfg.get("hf_hub_id"),
+            "license": cfg.get("license"),
+            "model_args": args,
+        }
+
+    @classmethod
+    def create_base(cls, description: dict[str, Any]) -> nn.Module:
+        import timm
+
+        name = description["architecture"]
+        if description.get("pretrained_tag"):
+            name = f"{name}.{description['pretrained_tag']}"
+        return timm.create_model(name, pretrained=False, **description.get("model_args", {}))

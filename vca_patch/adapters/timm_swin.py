@@ -1,0 +1,199 @@
+"""timm Swin (`swin_*`): shifted-window attention converted to `WindowedVCA` in stages 1…S−1 (the paper's AAAB).
+
+The replacement stays where `WindowAttention` was and is called on the block's windows; a hook on each patched
+block records the call's grid, window and shift (`WindowCall`), from which the layer rebuilds the full grid. The
+last stage stays window softmax attention. Modes (`VCAConfig.swin_mode`): "residual" (default; the window
+attention kept, its bias table and shift mask included, plus a zero-gated global VCA branch: exact at init) and
+"global" (global VCA on the stage's full grid; the relative-position bias, window locality and shift mask are
+dropped: approximate). λ_init follows the global block index over all stages.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention import TokenLayout
+from ..attention.staged_carry import CarriedWindowAttention
+from ..attention.window_call import WindowCall, close_window_call, current_window_call, open_window_call
+from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
+from .verify import TOLERANCE
+
+_RECORDED_ARGS = ("num_classes", "global_pool")
+LAST_STAGE_REASON = "last stage stays window attention (the paper's placement: VCA in stages 1-3)"
+GLOBAL_MODE_NOTE = (
+    "swin_mode='global': relative-position bias, window locality and shift mask dropped "
+    "(global VCA over the stage's full grid)"
+)
+
+
+class BlockWindowHook:
+    """Forward pre-hook on a Swin block: opens the call's `WindowCall` scope (grid of its [B, H, W, C] input)."""
+
+    def __call__(self, block: nn.Module, args: tuple) -> None:
+        x = args[0]
+        call = WindowCall((int(x.shape[1]), int(x.shape[2])), tuple(block.window_size), tuple(block.shift_size))
+        open_window_call(self, call)
+
+    def current(self) -> WindowCall | None:
+        return current_window_call(self)
+
+
+class BlockWindowEnd:
+    """Forward hook (always called) on a Swin block: its window-call scope ends with it."""
+
+    def __init__(self, hook: BlockWindowHook) -> None:
+        self.hook = hook
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        close_window_call(self.hook)
+
+
+def reference_window_attention(carried: CarriedWindowAttention, x: torch.Tensor, mask: torch.Tensor | None):
+    """W-MSA from `carried`'s weights, written out: softmax(s·q·kᵀ + bias + mask)·v, proj. x [B·nW, N, C]."""
+    B_, N, _ = x.shape
+    M, d = carried.num_heads, carried.head_dim
+    q, k, v = carried.qkv(x).view(B_, N, 3, M, d).permute(2, 0, 3, 1, 4).unbind(0)
+    bias = carried.bias_table[carried.bias_index.reshape(-1)].reshape(N, N, M).permute(2, 0, 1)
+    logits = (q @ k.transpose(-1, -2)) * d**-0.5 + bias
+    if mask is not None:
+        logits = (logits.view(-1, mask.shape[0], M, N, N) + mask[None, :, None]).view(B_, M, N, N)
+    return carried.proj((torch.softmax(logits, -1) @ v).transpose(1, 2).reshape(B_, N, M * d))
+
+
+class TimmSwinAdapter(ModelAdapter):
+    """Converts timm Swin window attention to `WindowedVCA`; see the module docstring."""
+
+    name = "timm-swin"
+
+    def __init__(self) -> None:
+        self._stages: dict[str, tuple[int, dict[str, Any]]] = {}  # site path -> (stage, report settings)
+        self._hooks: dict[str, BlockWindowHook] = {}  # block path -> its hook, for the built replacements
+
+    @classmethod
+    def applies_to(cls, model: nn.Module) -> bool:
+        return type(model).__module__ == "timm.models.swin_transformer" and hasattr(model, "layers")
+
+    def find_sites(self, model: nn.Module) -> tuple[list[AttentionSite], list[SkippedSite]]:
+        sites: list[AttentionSite] = []
+        skipped: list[SkippedSite] = []
+        index, last = 0, len(model.layers) - 1
+        for i, stage in enumerate(model.layers):
+            for j, block in enumerate(stage.blocks):
+                path, attn = f"layers.{i}.blocks.{j}.attn", block.attn
+                if i == last and last > 0:
+                    skipped.append(SkippedSite(path, type(attn).__name__, LAST_STAGE_REASON))
+                else:
+                    settings = {"stage": i, "grid": list(block.input_resolution), "window": list(block.window_size)}
+                    self._stages[path] = (i, settings)
+                    notes = list(filter(None, [attention_dropout_note(attn)]))
+                    sites.append(AttentionSite(path, attn, index, attn.qkv.in_features, attn.num_heads, notes))
+                index += 1
+        return sites, skipped
+
+    def embedding_module(self, model: nn.Module) -> nn.Module:
+        return model.patch_embed
+
+    def layout_from_embedding(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> TokenLayout:
+        return TokenLayout(0, (int(output.shape[1]), int(output.shape[2])))  # NHWC: stage 1's grid
+
+    def default_layout(self, model: nn.Module) -> TokenLayout | None:
+        return TokenLayout(0, tuple(int(g) for g in model.patch_embed.grid_size))
+
+    def carry(self, site: AttentionSite) -> CarriedWindowAttention:
+        attn = site.module
+        stage, settings = self._stages[site.path]
+        return CarriedWindowAttention(
+            qkv=attn.qkv, proj=attn.proj, num_heads=attn.num_heads,
+            head_dim=attn.qkv.out_features // 3 // attn.num_heads, proj_drop=attn.proj_drop, stage=stage,
+            settings=settings, bias_table=attn.relative_position_bias_table, bias_index=attn.relative_position_index,
+        )  # fmt: skip
+
+    def adapt_call(self, replacement: nn.Module, site: AttentionSite) -> None:
+        """The block calls `attn(windows, mask=...)` as before; the replacement reads the grid from its block's
+        hook (installed with the layout tracker)."""
+        block_path = site.path.rpartition(".")[0]
+        hook = self._hooks.setdefault(block_path, BlockWindowHook())
+        replacement.window_source = hook.current
+        if replacement.mode == "global" and GLOBAL_MODE_NOTE not in site.notes:
+            site.notes.append(GLOBAL_MODE_NOTE)
+
+    def install_layout_tracker(self, model: nn.Module):
+        tracker = super().install_layout_tracker(model)
+        for block_path, hook in self._hooks.items():
+            block = model.get_submodule(block_path)
+            block.register_forward_pre_hook(hook)
+            block.register_forward_hook(BlockWindowEnd(hook), always_call=True)
+        return tracker
+
+    @staticmethod
+    def remove_layout_tracker(model: nn.Module) -> None:
+        ModelAdapter.remove_layout_tracker(model)
+        for module in model.modules():
+            for key, hook in list(module._forward_pre_hooks.items()):
+                if isinstance(hook, BlockWindowHook):
+                    close_window_call(hook)
+                    del module._forward_pre_hooks[key]
+            for key, hook in list(module._forward_hooks.items()):
+                if isinstance(hook, BlockWindowEnd):
+                    del module._forward_hooks[key]
+                    module._forward_hooks_always_called.pop(key, None)
+
+    @torch.no_grad()
+    def verify(self, site: AttentionSite) -> AttentionSite:
+        """The module must equal window attention built from its qkv, bias table and proj, under a shift mask."""
+        module = site.module
+        weight = next(module.parameters())
+        if weight.is_meta:
+            return site
+        carried = self.carry(site)
+        if weight.dtype in (torch.float16, torch.bfloat16):  # checked in float32, on a copy (as `verify`)
+            module, carried = copy.deepcopy((module, carried))
+            module.float()
+        window = module.window_area
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(2 * 3, window, site.dim, generator=generator).to(next(module.parameters()))
+        mask = torch.where(torch.rand(3, window, window, generator=generator) < 0.3, -100.0, 0.0).to(x)
+        was_training = module.training
+        module.eval()
+        try:
+            errors = []
+            for m in (None, mask):
+                expected = module(x, mask=m)
+                errors.append(float((reference_window_attention(carried, x, m) - expected).norm() / expected.norm()))
+        finally:
+            module.train(was_training)
+        error = max(errors)
+        site.verified = error < TOLERANCE
+        if not site.verified:
+            site.notes.append(f"reference window attention differs by {error:.2g} (relative)")
+        return site
+
+    def describe_base(self, model: nn.Module) -> dict[str, Any]:
+        cfg = dict(getattr(model, "pretrained_cfg", None) or {})
+        args = {key: getattr(model, key) for key in _RECORDED_ARGS if hasattr(model, key)}
+        embed = model.patch_embed
+        args["img_size"] = list(embed.img_size)
+        args["in_chans"] = embed.proj.in_channels
+        if getattr(embed, "dynamic_img_size", False):
+            args["dynamic_img_size"] = True
+        return {
+            "library": "timm",
+            "architecture": cfg.get("architecture") or type(model).__name__,
+            "pretrained_tag": cfg.get("tag"),
+            "hf_hub_id": cfg.get("hf_hub_id"),
+            "license": cfg.get("license"),
+            "model_args": args,
+        }
+
+    @classmethod
+    def create_base(cls, description: dict[str, Any]) -> nn.Module:
+        import timm
+
+        name = description["architecture"]
+        if description.get("pretrained_tag"):
+            name = f"{name}.{description['pretrained_tag']}"
+        return timm.create_model(name, pretrained=False, **description.get("model_args", {}))

@@ -1,0 +1,93 @@
+"""Carried attention of one stage of a hierarchical ViT (PVT, Swin), and the VCA variant each converts to.
+
+A hierarchical family's attention is not plain softmax self-attention over one token layout (a spatial
+reduction, shifted windows), so its carry names the stage, the family's default contrast tokens for it, and
+builds its own VCA variant; other targets (MANO) are refused rather than built around half the computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .carried import CarriedAttention
+from .reduced_vca import SpatialReductionVCA
+from .vca import VisualContrastAttention
+from .window_vca import WindowedVCA
+
+# The paper's lab (Agent Attention) uses n = 3², 4², 7², 7² in stages 1-4 of PVT and Swin.
+DEFAULT_STAGE_CONTRAST_TOKENS = (9, 16, 49, 49)
+
+
+def default_stage_contrast_tokens(stage: int) -> int:
+    return DEFAULT_STAGE_CONTRAST_TOKENS[min(stage, len(DEFAULT_STAGE_CONTRAST_TOKENS) - 1)]
+
+
+@dataclass
+class StagedCarriedAttention(CarriedAttention):
+    """Carried weights of one hierarchical-stage attention; `build_vca` makes its VCA variant.
+
+    `settings` are the report's per-layer facts (stage, mode, grid used at the native input size).
+    `mode_option` names the VCAConfig field that picks the conversion mode (None: one mode only).
+    """
+
+    mode_option: ClassVar[str | None] = None
+
+    stage: int = 0
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def build_vca(self, mode: str | None, **kwargs: Any) -> VisualContrastAttention:
+        raise NotImplementedError
+
+    def instantiate(self, layer_cls: type[nn.Module], **kwargs: Any) -> nn.Module:
+        raise TypeError(
+            f"{type(self).__name__.removeprefix('Carried')} converts to VCA only (target 'vca'), not "
+            f"{layer_cls.__name__}: its attention is not plain softmax attention over one token grid"
+        )
+
+    def _build(self, layer_cls: type[VisualContrastAttention], **kwargs: Any) -> VisualContrastAttention:
+        layer = CarriedAttention.instantiate(self, layer_cls, **kwargs)
+        layer.hierarchical_settings = dict(self.settings)
+        return layer
+
+
+@dataclass
+class CarriedReductionAttention(StagedCarriedAttention):
+    """PVT spatial-reduction attention: q/kv (as a `QAndKV` view), proj and the reduction `sr` + `norm`."""
+
+    sr: nn.Module | None = None
+    reduction_norm: nn.Module | None = None
+
+    def build_vca(self, mode: str | None, **kwargs: Any) -> SpatialReductionVCA:
+        layer = self._build(SpatialReductionVCA, **kwargs)
+        layer.carry_reduction(self.sr, self.reduction_norm)
+        layer.hierarchical_settings["mode"] = "reduction-kept"
+        return layer
+
+
+@dataclass
+class CarriedWindowAttention(StagedCarriedAttention):
+    """Swin window attention: fused qkv, proj, the relative-position bias table and its index."""
+
+    mode_option: ClassVar[str | None] = "swin_mode"
+
+    bias_table: nn.Parameter | None = None
+    bias_index: torch.Tensor | None = None
+
+    def build_vca(self, mode: str | None, **kwargs: Any) -> WindowedVCA:
+        layer = self._build(WindowedVCA, mode=mode or "residual", **kwargs)
+        if layer.mode == "residual":
+            layer.carry_window_bias(self.bias_table, self.bias_index)
+        layer.hierarchical_settings["mode"] = layer.mode
+        grid = self.settings.get("grid")
+        window = self.settings.get("window")
+        if grid is not None:
+            text = f"global {grid[0]}x{grid[1]}"
+            layer.hierarchical_settings["grid"] = (
+                f"window {window[0]}x{window[1]} + {text}" if layer.mode == "residual" and window else text
+            )
+        layer.hierarchical_settings.pop("window", None)
+        return layer

@@ -1,0 +1,30 @@
+"""Switching binarisation of a DIDB-patched model between training stages (activations first, then weights)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..surgery import PatchError, get_patch_state
+from .attention import DIDBAttention
+from .binary import BinaryLinear
+from .config import DIDBConfig
+
+
+def set_binarization(model: nn.Module, *, weights: bool | None = None, activations: bool | None = None) -> None:
+    """Turn weight / activation binarisation of every binarised Linear on or off (None: leave as is).
+
+    Updates the patch's DIDBConfig too, so a checkpoint saved afterwards reloads in the same state.
+    """
+    state = get_patch_state(model)
+    if state is None or not isinstance(state.config, DIDBConfig):
+        raise PatchError("set_binarization needs a model patched with vca_patch.DIDBConfig")
+    for module in model.modules():
+        if isinstance(module, (DIDBAttention, BinaryLinear)):
+            if weights is not None:
+                module.binarize_weights = weights
+            if activations is not None:
+                module.binarize_activations = activations
+    if weights is not None:
+        state.config.weights = weights
+    if activations is not None:
+        state.config.activations = activations
