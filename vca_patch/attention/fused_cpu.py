@@ -121,13 +121,27 @@ def use_kernel(enabled: bool) -> Iterator[None]:
         _state["override"] = previous
 
 
-def attend_cpu(*args: object) -> torch.Tensor:
-    """torch.ops.vca_patch.attend_cpu (see the C++ source for the arguments); call `kernel_available()` first."""
-    return torch.ops.vca_patch.attend_cpu(*args)
+def _empty_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """An empty batch of well-formed heads: answered here, without the op. Anything else goes to the op, whose
+    C++ entry validates every shape, dtype and stride (and also returns an empty batch)."""
+    return q.dim() == 4 and q.shape[0] == 0 and k.shape == q.shape and v.shape == q.shape
 
 
-def attend_cpu_into_q(q_tokens: torch.Tensor, q: torch.Tensor, *args: object) -> torch.Tensor:
+def attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object) -> torch.Tensor:
+    """torch.ops.vca_patch.attend_cpu (see the C++ source for the arguments); call `kernel_available()` first.
+    An empty batch returns an empty [0, N, C] output, as the composite path does."""
+    if _empty_batch(q, k, v):
+        _, heads, tokens, head_dim = q.shape
+        return q.new_empty(0, tokens, heads * head_dim)
+    return torch.ops.vca_patch.attend_cpu(q, k, v, *args)
+
+
+def attend_cpu_into_q(
+    q_tokens: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object
+) -> torch.Tensor:
     """`attend_cpu` with o written over q, whose dense [B, N, C] buffer `q_tokens` then holds o and is returned;
     q is its [B, M, N, d] head view. For eager inference, where q is dead after the op: one fresh tensor less."""
-    torch.ops.vca_patch.attend_cpu_into_q(q, *args)
+    if _empty_batch(q, k, v):
+        return q_tokens
+    torch.ops.vca_patch.attend_cpu_into_q(q, k, v, *args)
     return q_tokens

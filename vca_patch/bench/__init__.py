@@ -1,6 +1,7 @@
 """Benchmarks of original vs patched models: analytic MACs, interleaved latency, peak memory."""
 
 from .crossover import crossover
+from .errors import BenchError
 from .flops import (
     ATTENTION_MACS,
     AttentionShape,
@@ -13,7 +14,7 @@ from .flops import (
     vca_attention_macs,
 )
 from .memory import peak_mib
-from .sweep import BenchSettings, run_sweep
+from .sweep import BenchSettings, check_resolutions, run_sweep
 from .timing import time_interleaved
 from .variants import ORIGINAL, UNFUSED, Variant, build_variants
 
@@ -22,11 +23,13 @@ __all__ = [
     "ORIGINAL",
     "UNFUSED",
     "AttentionShape",
+    "BenchError",
     "BenchSettings",
     "ModelShape",
     "Variant",
     "attention_macs",
     "build_variants",
+    "check_resolutions",
     "crossover",
     "model_macs",
     "model_shape",

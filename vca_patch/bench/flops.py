@@ -99,7 +99,16 @@ class ModelShape:
 
 
 def model_shape(model: nn.Module) -> ModelShape:
-    """Read a timm ViT-style model (`blocks`, `patch_embed`, `num_prefix_tokens`)."""
+    """Read a timm ViT-style model (`blocks`, `patch_embed`, `num_prefix_tokens`); BenchError for any other."""
+    from .errors import BenchError
+
+    missing = [a for a in ("blocks", "patch_embed", "num_prefix_tokens", "embed_dim") if not hasattr(model, a)]
+    if missing or not len(model.blocks) or not hasattr(model.blocks[0], "attn"):
+        what = f"it has no {', '.join(missing)}" if missing else "it has no attention blocks"
+        raise BenchError(
+            f"{type(model).__name__} is not a ViT-style timm model that bench can measure ({what}); "
+            "bench needs one with patch_embed and blocks, e.g. deit_small_patch16_224"
+        )
     blocks = list(model.blocks)
     linear = [sum(m.in_features * m.out_features for m in b.modules() if isinstance(m, nn.Linear)) for b in blocks]
     embed = model.patch_embed

@@ -13,7 +13,8 @@ import torch
 
 from ..attention import fused_cpu
 from .crossover import crossover
-from .flops import model_macs, model_shape
+from .errors import BenchError
+from .flops import ModelShape, model_macs, model_shape
 from .memory import peak_mib
 from .timing import median, time_interleaved
 from .variants import ORIGINAL, UNFUSED, Variant
@@ -38,6 +39,33 @@ class BenchSettings:
     threads: int | None = None
     compile: bool = False  # time torch.compile'd models (inductor, static shapes; memory stays eager)
     cpu_kernel: bool = True  # VCA's fused CPU kernel for float32 inference (False: its composite path)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (bool(self.resolutions) and min(self.resolutions) >= 1, "resolutions must be positive pixel sizes"),
+            (self.batch >= 1, f"batch must be at least 1 image, got {self.batch}"),
+            (self.repeats >= 1, f"repeats must be at least 1, got {self.repeats}"),
+            (self.warmup >= 0, f"warmup must be 0 or more, got {self.warmup}"),
+            (self.min_time >= 0, f"min_time must be 0 or more seconds, got {self.min_time}"),
+            (self.threads is None or self.threads >= 1, f"threads must be at least 1, got {self.threads}"),
+            (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise BenchError(message)
+
+
+def check_resolutions(shape: ModelShape, resolutions: list[int]) -> None:
+    """Every resolution a whole number of patches (timm refuses others), with at least one patch."""
+    ph, pw = shape.patch_size
+    bad = [px for px in resolutions if px < max(ph, pw) or px % ph or px % pw]
+    if bad:
+        step = math.lcm(ph, pw)
+        nearest = sorted({max(step, round(px / step) * step) for px in bad})
+        raise BenchError(
+            f"resolution(s) {', '.join(map(str, bad))} px are not a multiple of the patch size {ph}×{pw}; "
+            f"use e.g. {', '.join(map(str, nearest))}"
+        )
 
 
 @dataclass
@@ -131,6 +159,7 @@ def _sweep(variants: list[Variant], settings: BenchSettings, log: Callable[[str]
         torch.set_num_threads(settings.threads)
     device = torch.device(settings.device)
     shape = model_shape(variants[0].model)
+    check_resolutions(shape, settings.resolutions)
     for v in variants:
         v.model.to(device)
     measurements: dict[tuple[str, int], Measurement] = {}

@@ -13,6 +13,8 @@ from torch import nn
 from ..config import TargetConfig
 from ..io import load_base_model
 from ..surgery import patch_model
+from .errors import BenchError
+from .flops import model_shape
 
 ORIGINAL = "original"
 UNFUSED = "original-unfused"
@@ -46,6 +48,19 @@ def _uses_unfused(model: nn.Module) -> bool:
     return bool(flags) and not any(flags)
 
 
+def _build(model_name: str, model_args: dict[str, Any]) -> nn.Module:
+    """Random weights; a model that takes no `dynamic_img_size` (not a timm ViT) is a BenchError."""
+    try:
+        return load_base_model(model_name, pretrained=False, model_args=model_args).eval()
+    except TypeError as exc:
+        if "dynamic_img_size" not in str(exc):
+            raise
+        raise BenchError(
+            f"{model_name} is not a ViT-style timm model that bench can measure (it takes no dynamic image size); "
+            "bench needs one with patch_embed and blocks, e.g. deit_small_patch16_224"
+        ) from None
+
+
 def build_variants(
     model_name: str,
     targets: list[TargetConfig],
@@ -53,14 +68,19 @@ def build_variants(
     model_args: dict[str, Any] | None = None,
     unfused: bool = True,
 ) -> list[Variant]:
-    """Random-weight `model_name` (dynamic image size) as original, unfused original and patched copies."""
+    """Random-weight `model_name` (dynamic image size) as original, unfused original and patched copies.
+    BenchError for a depth below 1 or a model that is not a ViT-style timm model."""
+    depth = (model_args or {}).get("depth")
+    if depth is not None and depth < 1:
+        raise BenchError(f"depth must be at least 1 block, got {depth}")
     model_args = {"dynamic_img_size": True, **(model_args or {})}
     with fused_attention(True):
-        original = load_base_model(model_name, pretrained=False, model_args=model_args).eval()
+        original = _build(model_name, model_args)
+    model_shape(original)  # a ViT-style model, or BenchError now rather than in the sweep
     variants = [Variant(ORIGINAL, original, "softmax")]
     if unfused:
         with fused_attention(False):
-            explicit = load_base_model(model_name, pretrained=False, model_args=model_args).eval()
+            explicit = _build(model_name, model_args)
         if not _uses_unfused(explicit):
             raise RuntimeError(f"{model_name}: could not build its attention without fused SDPA")
         explicit.load_state_dict(original.state_dict())

@@ -70,7 +70,7 @@ def bench(
 ) -> None:
     """Latency, throughput, peak memory and analytic MACs of MODEL, original vs patched, per resolution."""
 
-    from ..bench import BenchSettings, build_variants, run_sweep
+    from ..bench import BenchError, BenchSettings, build_variants, check_resolutions, model_shape, run_sweep
     from ..bench.report import crossover_lines, ratios_table, results_table, write_json, write_plot
     from ..bench.sweep import DTYPES
     from ..io import UnknownModelError
@@ -84,21 +84,26 @@ def bench(
             import matplotlib  # noqa: F401
         except ImportError:
             fail("--plot needs matplotlib: pip install 'vca-patch[bench]'", 2)
-    settings = BenchSettings(
-        resolutions=_parse_ints(resolutions, "--resolutions"),
-        batch=batch,
-        device=device,
-        dtype=dtype,
-        warmup=warmup,
-        repeats=repeats,
-        min_time=min_time,
-        memory=memory,
-        unfused_max_tokens=unfused_max_tokens if unfused else 0,
-        unfused_max_mib=unfused_max_mib,
-        threads=threads,
-        compile=use_compile,
-        cpu_kernel=cpu_kernel,
-    )
+    try:
+        settings = BenchSettings(
+            resolutions=_parse_ints(resolutions, "--resolutions"),
+            batch=batch,
+            device=device,
+            dtype=dtype,
+            warmup=warmup,
+            repeats=repeats,
+            min_time=min_time,
+            memory=memory,
+            unfused_max_tokens=unfused_max_tokens if unfused else 0,
+            unfused_max_mib=unfused_max_mib,
+            threads=threads,
+            compile=use_compile,
+            cpu_kernel=cpu_kernel,
+        )
+    except BenchError as exc:
+        fail(f"--{str(exc).replace('_', '-')}", 2)
+    if depth is not None and depth < 1:
+        fail(f"--depth must be at least 1 block, got {depth}", 2)
     configs = _target_configs(target, parse_layers(layers))
     model_args = {"depth": depth} if depth is not None else {}
     if device == "cpu" and dtype == "float32" and cpu_kernel and any(c.target == "vca" for c in configs):
@@ -106,8 +111,14 @@ def bench(
     with console.status(f"Building {model} and its variants..."):
         try:
             variants = build_variants(model, configs, model_args=model_args, unfused=unfused)
+        except BenchError as exc:
+            fail(str(exc), 2)
         except (UnknownModelError, PatchError) as exc:
             fail(str(exc))
+    try:
+        check_resolutions(model_shape(variants[0].model), settings.resolutions)
+    except BenchError as exc:
+        fail(f"--resolutions: {model}: {exc}", 2)
     with console.status("Measuring...") as status:
         # Progress replaces itself in the status line; what was skipped stays on screen.
         result = run_sweep(

@@ -118,6 +118,21 @@ def check_img_size(net: nn.Module, name: str, img_size: int | None) -> None:
         )
 
 
+def _without_given_hint(message: str, *, pretrained: bool, weights: Path | None) -> str:
+    """A Hub error's hint, less the options the user already gave (--no-pretrained still needs a Hub config)."""
+    hints = ("Use --weights FILE for a local checkpoint, or --no-pretrained for random weights.",
+             "use --weights FILE or --no-pretrained")  # fmt: skip
+    if pretrained and weights is None:
+        return message
+    for hint in hints:
+        message = message.replace(
+            hint,
+            "Its architecture itself comes from the Hub, also with --no-pretrained or --weights: pass a local "
+            "model folder (with config.json), or a timm model name, instead.",
+        )
+    return message
+
+
 def load_base(name: str, *, pretrained: bool, weights: Path | None, img_size: int | None) -> nn.Module:
     """The model to convert or inspect, at --img-size; every expected failure exits with one clear line."""
     from ..io import HubUnavailableError, UnknownModelError, WeightsMismatchError, load_base_model
@@ -128,7 +143,9 @@ def load_base(name: str, *, pretrained: bool, weights: Path | None, img_size: in
         model_args = {}  # its size is the config's: checked below
     try:
         net = load_base_model(name, pretrained=pretrained, weights=weights, model_args=model_args)
-    except (UnknownModelError, HubUnavailableError, WeightsMismatchError) as exc:
+    except HubUnavailableError as exc:
+        fail(_without_given_hint(str(exc), pretrained=pretrained, weights=weights))
+    except (UnknownModelError, WeightsMismatchError) as exc:
         fail(str(exc))
     except TypeError as exc:
         if img_size is None or "img_size" not in str(exc):

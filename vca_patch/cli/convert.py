@@ -11,12 +11,14 @@ import typer
 from ..config import ConfigError, MANOConfig, TargetConfig, VCAConfig
 from ..fidelity import compare_outputs, probe_batch
 from ..io import OutputExistsError, save_pretrained
-from ..io.atomic import check_output_dir
+from ..io.atomic import UnsafeOutputError, check_output_dir, check_output_outside_inputs, foreign_entries
+from ..io.checkpoint import CARD_NAME, CONFIG_NAME, FORMS
 from ..surgery import PatchError, patch_model
 from .common import (
     DEVICE_HELP,
     DTYPE_HELP,
     console,
+    err_console,
     fail,
     load_base,
     parse_layers,
@@ -26,6 +28,13 @@ from .common import (
 )
 from .fidelity import calibrate_for_convert, summary_table
 from .report_view import sites_table, totals_table
+
+CHECKPOINT_FILES = (CONFIG_NAME, CARD_NAME, *FORMS.values())  # what a checkpoint folder holds
+
+
+def _local(path: Path | None) -> bool:
+    """A local file or folder (a Hugging Face dataset name is not one)."""
+    return path is not None and path.exists()
 
 
 def convert(
@@ -66,7 +75,9 @@ def convert(
     ] = None,
     calibration_kind: Annotated[str, typer.Option(help="fashion_mnist, imagefolder or hf")] = "imagefolder",
     calibration_images: Annotated[int, typer.Option(help="Images used to calibrate, and to measure")] = 256,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite a non-empty output folder")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace a non-empty output folder as a whole (its other files are listed)")
+    ] = False,
     img_size: Annotated[
         int | None, typer.Option(help="Input size in pixels (timm's img_size; transformers: must match the config)")
     ] = None,
@@ -77,6 +88,20 @@ def convert(
     torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
     try:
         check_output_dir(output, overwrite=force)
+        data = calibration_data if _local(calibration_data) else None
+        check_output_outside_inputs(output, {"--weights file": weights, "--calibration-data": data}, replaces=True)
+        options = {
+            "vca": {"--contrast-tokens": (contrast_tokens, 49), "--softmax": (softmax, "joint"),
+                    "--prefix-readout": (prefix_readout, "exact"), "--stage2-temperature": (stage2_temperature, True),
+                    "--calibration-data": (calibration_data, None)},
+            "mano": {"--window": (window, 7), "--rate": (rate, 2), "--levels": (levels, None), "--down": (down, "conv"),
+                     "--up": (up, "conv"), "--prefix": (prefix, "global")},
+        }  # fmt: skip
+        for target, given in options.items():
+            other = [name for name, (value, default) in given.items() if value != default]
+            if to != target and to in options and other:
+                raise ConfigError(f"{', '.join(other)} {'is' if len(other) == 1 else 'are'} for --to {target}, "
+                                  f"not --to {to}; drop {'it' if len(other) == 1 else 'them'}")  # fmt: skip
         config: TargetConfig
         if to == "vca":
             config = VCAConfig(
@@ -90,10 +115,19 @@ def convert(
             )  # fmt: skip
         else:
             raise ConfigError(f"--to must be 'vca' or 'mano', got {to!r}")
-    except (OutputExistsError, ConfigError) as exc:
+    except (OutputExistsError, UnsafeOutputError, ConfigError) as exc:
         fail(str(exc), 2)
     if weights is not None and not weights.is_file():
         fail(f"weights file {weights} does not exist", 2)
+    removed = foreign_entries(output, CHECKPOINT_FILES)
+    if removed:  # --force replaces the folder as a whole: say so before anything is done
+        shown = ", ".join(removed[:6]) + (f" and {len(removed) - 6} more" if len(removed) > 6 else "")
+        err_console.print(
+            f"[bold yellow]warning:[/] --force replaces {output}/ as a whole; these entries in it will be removed: "
+            f"{shown}",
+            highlight=False,
+            soft_wrap=True,
+        )
 
     base_weights = "local file" if weights else ("pretrained" if pretrained else "random")
     with console.status(f"Building {model} ({base_weights} weights)..."):

@@ -51,6 +51,10 @@ def fidelity(
     from ..io import CheckpointError, from_pretrained
     from ..train.finetune import teacher_from
 
+    if limit < 1:
+        fail(f"--limit must be at least 1 image, got {limit}", 2)
+    if batch_size < 1:
+        fail(f"--batch-size must be at least 1, got {batch_size}", 2)
     torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
     try:
         model = from_pretrained(checkpoint, device=torch_device).to(torch_dtype)

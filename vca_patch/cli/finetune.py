@@ -2,12 +2,49 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from .common import console, fail
+
+RUN_FILES = ("model.safetensors", "config.json", "README.md", "metrics.json", "checkpoints")
+
+
+def _is_run(output: Path) -> bool:
+    """Whether `output` holds a finetune run: a metrics.json that names a recipe, or training checkpoints."""
+    if (output / "checkpoints").is_dir():
+        return True
+    try:
+        metrics = json.loads((output / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(metrics, dict) and "recipe" in metrics
+
+
+def check_finetune_output(converted: Path, recipe: Path, spec, output: Path, *, resume: bool, force: bool) -> None:
+    """Exit with one line when --output would change an input, land in a foreign folder, or restart a run."""
+    from ..io.atomic import UnsafeOutputError, check_output_outside_inputs
+    from ..train.checkpoints import latest_checkpoint
+
+    data = Path(spec.data.path) if spec.data.path and Path(spec.data.path).exists() else None
+    inputs = {"converted checkpoint": converted, "recipe": recipe, "dataset": data}
+    try:
+        check_output_outside_inputs(output, inputs, replaces=False)
+    except UnsafeOutputError as exc:
+        fail(str(exc), 2)
+    if output.exists() and not output.is_dir():
+        fail(f"--output {output} is a file, not a folder", 2)
+    if not resume and latest_checkpoint(output) is not None:
+        fail(f"{output} already holds training checkpoints: pass --resume to continue, or choose a new --output", 2)
+    if not resume and output.is_dir() and any(output.iterdir()) and not _is_run(output) and not force:
+        fail(
+            f"{output} is not empty and holds no finetune run; choose a new --output, or pass --force to write "
+            f"{', '.join(RUN_FILES)} into it (other files stay)",
+            2,
+        )
 
 
 def finetune(
@@ -28,6 +65,14 @@ def finetune(
         ),
     ] = None,
     cpu: Annotated[bool, typer.Option("--cpu", help="Same as --device cpu", hidden=True)] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Write into a non-empty folder that is not a finetune run (only model.safetensors, config.json, "
+            "README.md, metrics.json and checkpoints/ are written; other files stay)",
+        ),
+    ] = False,
 ) -> None:
     """Recover CONVERTED with RECIPE; writes a loadable checkpoint, metrics.json and checkpoints/ to --output.
 
@@ -40,13 +85,18 @@ def finetune(
     from ..train import finetune as run
     from ..train.checkpoints import latest_checkpoint
     from ..train.engine import make_accelerator
+    from ..train.finetune import TrainingInterrupted, resume_point
 
     try:
         spec = load_recipe(recipe)
     except RecipeError as exc:
         fail(str(exc), 2)
-    if not resume and latest_checkpoint(output) is not None:
-        fail(f"{output} already holds training checkpoints: pass --resume to continue, or choose a new --output", 2)
+    check_finetune_output(converted, recipe, spec, output, resume=resume, force=force)
+    if resume:
+        step = resume_point(output)
+        if step is None:
+            fail(f"--resume: {output} holds no training checkpoint (checkpoints/step_*); run without --resume", 2)
+        console.print(f"Resuming from step {step} ({latest_checkpoint(output)})", highlight=False)
     try:
         accelerator = make_accelerator(
             mixed_precision or spec.train.mixed_precision,
@@ -61,6 +111,8 @@ def finetune(
         fail(str(exc), 2)
     except TrainingDiverged as exc:
         fail(str(exc), 1)
+    except TrainingInterrupted as exc:
+        fail(str(exc), 130)
     if not accelerator.is_main_process:
         return
     final = result.metrics.get("final", {})

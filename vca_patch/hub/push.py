@@ -22,11 +22,14 @@ from ..io.checkpoint import (
     CARD_NAME,
     CONFIG_NAME,
     FORMS,
+    CheckpointError,
+    from_pretrained,
     read_checkpoint_config,
     save_pretrained,
     weights_name,
 )
 from ..io.model_card import render_model_card
+from ..io.weights import WeightsMismatchError, read_state_dict
 from ..surgery import PatchError, get_patch_state
 from .errors import LOGIN_HINT, HubAuthError, HubError, HubUnavailableError
 from .resolve import hub_unreachable, validate_repo_id
@@ -74,6 +77,18 @@ def _check_pushable(meta: dict[str, Any], where: str) -> None:
             "else can fetch: push the merged form, or save the delta against Hub weights "
             "(base_weights='org/name@revision')"
         )
+
+
+def check_folder_loads(folder: Path, meta: dict[str, Any]) -> None:
+    """What is pushed must load: a merged folder is loaded as users will (`from_pretrained`); a delta's weights
+    file is read (its base weights are the Hub's, fetched by whoever loads it). CheckpointError otherwise."""
+    try:
+        if meta.get("checkpoint_form") == "delta":
+            read_state_dict(folder / weights_name(meta))
+        else:
+            from_pretrained(folder)
+    except (CheckpointError, WeightsMismatchError, PatchError) as exc:
+        raise CheckpointError(f"{folder} does not load, so nothing was pushed: {exc}") from None
 
 
 def _upload(
@@ -147,6 +162,7 @@ def push_to_hub(
         folder = Path(model_or_dir).expanduser()
         meta = read_checkpoint_config(folder)
         _check_pushable(meta, str(folder))
+        check_folder_loads(folder, meta)
     token = resolve_token(token)
     reason = hub_unreachable()
     if reason:

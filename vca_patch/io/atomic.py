@@ -1,11 +1,12 @@
-"""Atomic file and folder writes: readers see the old content or the new, never half of it."""
+"""Atomic file and folder writes: readers see the old content or the new, never half of it; and the checks that
+keep an output from landing on what a user would lose (an input, the current folder, a foreign folder)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,13 +15,56 @@ class OutputExistsError(FileExistsError):
     """The output folder exists and is not empty, and overwriting was not asked for."""
 
 
+class UnsafeOutputError(ValueError):
+    """The output would replace or write into something the user keeps: an input, or the current folder."""
+
+
+def _holds_cwd(path: Path) -> bool:
+    cwd = Path.cwd().resolve()
+    return path == cwd or path in cwd.parents
+
+
 def check_output_dir(path: Path, *, overwrite: bool) -> None:
-    """Refuse a non-empty existing folder (or a file) unless `overwrite`."""
+    """Refuse a file, the current folder (or one holding it), and a non-empty existing folder unless `overwrite`."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise OutputExistsError(f"{path} exists and is not a folder")
+    resolved = path.resolve()
+    if _holds_cwd(resolved):
+        raise UnsafeOutputError(
+            f"output {path} is the current folder{'' if resolved == Path.cwd().resolve() else ' or holds it'}; "
+            "it is replaced as a whole, so pass a new sub-folder (e.g. -o ./converted)"
+        )
     if path.is_dir() and any(path.iterdir()) and not overwrite:
         raise OutputExistsError(f"{path} is not empty; choose another folder or pass --force (overwrite=True)")
+
+
+def check_output_outside_inputs(output: Path, inputs: Mapping[str, Path | None], *, replaces: bool) -> None:
+    """Refuse an output that is, or is inside, one of `inputs` (name -> path); with `replaces` (the output folder
+    is replaced as a whole) also one that holds an input."""
+    out = Path(output).resolve()
+    for name, path in inputs.items():
+        if path is None:
+            continue
+        src = Path(path).resolve()
+        if out == src or src in out.parents:
+            raise UnsafeOutputError(
+                f"output {output} is {'the' if out == src else 'inside the'} {name} {path}: writing it would "
+                "change the input; choose an output folder outside it"
+            )
+        if replaces and out in src.parents:
+            raise UnsafeOutputError(
+                f"output {output} holds the {name} {path}, which replacing the folder would delete; "
+                "choose an output folder that does not contain it"
+            )
+
+
+def foreign_entries(path: Path, owned: Collection[str]) -> list[str]:
+    """The names in folder `path` that are not in `owned` (sorted; sub-folders end in "/"); [] if it is absent."""
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir() if p.name not in owned)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -41,21 +85,27 @@ def atomic_write_text(path: Path, text: str) -> None:
 def staged_directory(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces `dest` in one rename.
 
-    On any error the temporary folder is removed and `dest` is left as it was.
+    On any error the temporary folder is removed and `dest` is left as it was; no staging or `.old-` folder is
+    ever left behind. The current folder (or one holding it) is refused: it cannot be renamed away safely.
     """
-    dest = Path(dest)
+    dest = Path(os.path.abspath(dest))  # "." or "a/.." have no name of their own; a symlink stays the link
     check_output_dir(dest, overwrite=overwrite)
     dest.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent))
+    trash: Path | None = None
     try:
         yield stage
         if dest.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
             os.replace(dest, trash / dest.name)
-            os.replace(stage, dest)
-            shutil.rmtree(trash, ignore_errors=True)
+            try:
+                os.replace(stage, dest)
+            except BaseException:
+                os.replace(trash / dest.name, dest)  # put the old folder back
+                raise
         else:
             os.replace(stage, dest)
-    except BaseException:
+    finally:
         shutil.rmtree(stage, ignore_errors=True)
-        raise
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from .. import __version__
@@ -39,7 +39,7 @@ from .delta import (
     split_delta,
 )
 from .model_card import check_metadata, render_model_card
-from .weights import WeightsMismatchError, load_state_dict_checked
+from .weights import WeightsMismatchError, load_state_dict_checked, read_state_dict
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -184,11 +184,21 @@ def check_checkpoint_config(meta: Any, where: str) -> dict[str, Any]:
             else ""
         )
         raise CheckpointError(f"{where} is not a vca-patch config: missing {', '.join(absent)}{hint}")
-    if not isinstance(meta["format_version"], int) or meta["format_version"] > FORMAT_VERSION:
+    version = meta["format_version"]
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CheckpointError(f"{where}: format_version must be an integer, got {version!r}; the file was edited")
+    if version > FORMAT_VERSION:
+        writer = meta.get("vca_patch_version")
+        need = f"'vca-patch>={writer}'" if isinstance(writer, str) and writer else "a newer vca-patch"
         raise CheckpointError(
-            f"{where} was written by vca-patch {meta.get('vca_patch_version', '?')} (format "
-            f"{meta['format_version']}); this is vca-patch {__version__} (format {FORMAT_VERSION}): "
-            f"upgrade with pip install -U 'vca-patch>={meta.get('vca_patch_version', '')}'"
+            f"{where} was written by vca-patch {writer or '?'} (format {version}); this is vca-patch {__version__} "
+            f"(format {FORMAT_VERSION}): upgrade with pip install -U {need} (or, where no such release is on your "
+            "index, pip install -U from a newer vca-patch source tree)"
+        )
+    if version < 1:
+        raise CheckpointError(
+            f"{where} has format {version}, older than any vca-patch release reads (this is vca-patch {__version__}, "
+            f"format {FORMAT_VERSION}); convert the original model again with `vca-patch convert`"
         )
     if meta.get("checkpoint_form", "merged") not in FORMS:
         raise CheckpointError(f"{where}: unknown checkpoint_form {meta['checkpoint_form']!r}; known: {sorted(FORMS)}")
@@ -255,7 +265,10 @@ def from_pretrained(
         base_state_dict = load_base_state_dict(meta["delta"]["base_weights"], base_weights)
     model = build_model(meta)
     path = directory / weights_name(meta)
-    state = load_file(str(path))
+    try:
+        state = read_state_dict(path)
+    except WeightsMismatchError as exc:  # truncated, corrupt or not a weights file
+        raise CheckpointError(str(exc)) from None
     if delta:
         state = merge_delta(state, base_state_dict, list(model.state_dict()), meta["delta"])
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import tempfile
@@ -12,14 +13,59 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data import build_dataset
+from ..data import DatasetError, build_dataset
 from ..fidelity import model_input_size
 from ..io import from_pretrained, save_pretrained
+from ..io.atomic import atomic_write_text
 from ..io.checkpoint import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, read_checkpoint_config
 from ..io.model_card import recipe_metadata
 from ..surgery import unpatch_model
+from .checkpoints import latest_checkpoint, trainer_state
 from .engine import RunResult, make_accelerator, run_recipe
 from .recipe import Recipe, load_recipe
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C (or SIGINT): metrics.json says "interrupted"; the message says how to resume."""
+
+
+def resume_point(output: Path) -> int | None:
+    """The optimizer step `--resume` continues from (the latest complete checkpoint's), or None without one."""
+    ckpt = latest_checkpoint(output)
+    return None if ckpt is None else int(trainer_state(ckpt)["global_step"])
+
+
+def mark_interrupted(output: Path, *, write: bool = True) -> str:
+    """Mark output/metrics.json "interrupted" with the step `--resume` continues from; return the message."""
+    step = resume_point(output)
+    if write and (output / "metrics.json").is_file():
+        try:
+            metrics = json.loads((output / "metrics.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            metrics = None
+        if isinstance(metrics, dict):
+            metrics.update(status="interrupted", resume_step=step)
+            atomic_write_text(output / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+    if step is None:
+        return f"interrupted before the first checkpoint; nothing to resume in {output}: run again without --resume"
+    return (
+        f"interrupted; {output}/metrics.json is marked interrupted. Continue with --resume: it restarts from "
+        f"step {step} ({latest_checkpoint(output)})"
+    )
+
+
+def check_data_fits(dataset: Any, input_size: tuple[int, int, int], recipe: Recipe) -> None:
+    """Stop before training (DatasetError) when the recipe's images do not fit the model's input."""
+    if len(dataset) == 0:
+        raise DatasetError(f"recipe {recipe.name!r}: the training set ({recipe.data.kind}) is empty")
+    image = dataset[0][0]
+    shape = tuple(image.shape) if isinstance(image, torch.Tensor) else None
+    if shape is not None and (len(shape) != 3 or shape != tuple(input_size)):
+        raise DatasetError(
+            f"recipe {recipe.name!r} gives {recipe.data.kind} images of shape {shape}, but the model takes "
+            f"{tuple(input_size)} (channels, height, width); use a recipe whose data fit the model (e.g. an "
+            "imagefolder of RGB images for a 3-channel model), or convert a model built for these images"
+        )
 
 
 def teacher_from(model: nn.Module) -> nn.Module:
@@ -98,19 +144,23 @@ def finetune(
     model_cfg["input_size"] = model_input_size(student)
     train_set = build_dataset(recipe.data, "train", training=True, img_size=height, model_cfg=model_cfg)
     eval_set = build_dataset(recipe.data, "eval", training=False, img_size=height, model_cfg=model_cfg)
-    result = run_recipe(
-        student,
-        teacher,
-        recipe,
-        output,
-        train_set=train_set,
-        eval_set=eval_set,
-        resume=resume,
-        accelerator=accelerator,
-        num_classes=int(getattr(student, "num_classes", 0) or 0),
-        stop_after_steps=stop_after_steps,
-        extra_metrics={"converted_from": str(converted)},
-    )
+    check_data_fits(train_set, model_input_size(student), recipe)
+    try:
+        result = run_recipe(
+            student,
+            teacher,
+            recipe,
+            output,
+            train_set=train_set,
+            eval_set=eval_set,
+            resume=resume,
+            accelerator=accelerator,
+            num_classes=int(getattr(student, "num_classes", 0) or 0),
+            stop_after_steps=stop_after_steps,
+            extra_metrics={"converted_from": str(converted)},
+        )
+    except KeyboardInterrupt:
+        raise TrainingInterrupted(mark_interrupted(output, write=accelerator.is_main_process)) from None
     if result.completed and accelerator.is_main_process:
         metadata = dict(meta.get("metadata") or {})
         metadata.update(

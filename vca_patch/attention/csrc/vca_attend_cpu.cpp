@@ -169,9 +169,15 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   check_heads(v, "v");
   const int64_t B = q.size(0), M = q.size(1), N = q.size(2), d = q.size(3), C = M * d;
   const int64_t P = num_prefix, n = gh * gw, P_exact = exact_prefix ? P : 0, R = 2 * n + P_exact;
-  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), "q, k and v must have one shape");
-  TORCH_CHECK(P >= 0 && H > 0 && W > 0 && N == P + H * W, "tokens (", N, ") must be prefix + H·W");
-  TORCH_CHECK(gh > 0 && gw > 0, "the contrast grid must be positive");
+  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), "q, k and v must have one shape, got q ", q.sizes(),
+              ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(B >= 0 && M > 0 && d > 0, "q must have at least one head of positive width, got ", q.sizes());
+  TORCH_CHECK(P >= 0 && H > 0 && W > 0 && N == P + H * W, "tokens (", N, ") must be prefix + H·W (", P, " + ", H,
+              "×", W, ")");
+  TORCH_CHECK(gh > 0 && gw > 0, "the contrast grid must be positive, got ", gh, "×", gw);
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 3 && out.size(0) == B &&
+                  out.size(1) == N && out.size(2) == C && out.is_contiguous(),
+              "out must be a contiguous float32 CPU tensor [B, N, C] = [", B, ", ", N, ", ", C, "]");
   check_vector(embed_pos, n * C, "embed_pos");
   check_vector(embed_neg, n * C, "embed_neg");
   check_vector(norm1_weight, d, "norm1_weight");
@@ -198,6 +204,7 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const float* taps_w = dwc_taps.data_ptr<float>();
   const float* bias_w = dwc_bias.data_ptr<float>();
   TORCH_CHECK(lambda1.numel() == 1 && lambda2.numel() == 1, "lambda1 and lambda2 must be scalars");
+  if (B == 0) return;  // an empty batch: nothing to write (and no work to split across heads)
   const float l1 = lambda1.item<float>(), l2 = lambda2.item<float>(), s = static_cast<float>(scale);
 
   float* o_data = out.data_ptr<float>();

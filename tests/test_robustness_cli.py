@@ -1,0 +1,205 @@
+"""Nothing lost, nothing crashes: every command with each bad input exits with its code and one `error:` line
+(no traceback), and leaves every input file byte for byte as it was."""
+
+import hashlib
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+import vca_patch
+from tests.models import tiny
+from vca_patch import patch_model
+from vca_patch.cli import app
+
+finetune_module = importlib.import_module("vca_patch.train.finetune")  # the module (the package re-exports a function)
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "fashion_mnist.yaml"
+runner = CliRunner()
+
+
+def _digest(root: Path) -> dict[str, str]:
+    """sha256 of every file under `root` (the folder itself when a file), by relative path."""
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    return {str(p.relative_to(root.parent)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """A converted checkpoint, its truncated / older / newer copies, and weights files that are not weights."""
+    root = tmp_path_factory.mktemp("inputs")
+    model, args = tiny()
+    patch_model(model)
+    good = vca_patch.save_pretrained(model, root / "ckpt", model_args=args)
+    out = {"ckpt": good}
+    for name, edit in {
+        "older": {"format_version": 0},
+        "newer": {"format_version": 2, "vca_patch_version": "0.9.0"},
+    }.items():
+        folder = root / name
+        folder.mkdir()
+        for f in good.iterdir():
+            (folder / f.name).write_bytes(f.read_bytes())
+        meta = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**meta, **edit}))
+        out[name] = folder
+    truncated = root / "truncated"
+    truncated.mkdir()
+    for f in good.iterdir():
+        data = f.read_bytes()
+        (truncated / f.name).write_bytes(data[: len(data) // 2] if f.name == "model.safetensors" else data)
+    out["truncated"] = truncated
+    (root / "text.safetensors").write_text("not tensors")
+    (root / "text.pth").write_text("not tensors")
+    save_file({"w": torch.ones(4)}, str(root / "half.safetensors"))
+    data = (root / "half.safetensors").read_bytes()
+    (root / "half.safetensors").write_bytes(data[: len(data) - 8])
+    out.update(
+        {n: root / f"{n}.{e}" for n, e in (("text", "safetensors"), ("textpth", "pth"), ("half", "safetensors"))}
+    )
+    out["textpth"] = root / "text.pth"
+    out["root"] = root
+    return out
+
+
+def _run(args: list[str], inputs: list[Path]):
+    before = {k: v for p in inputs for k, v in _digest(p).items()}
+    result = runner.invoke(app, args)
+    after = {k: v for p in inputs for k, v in _digest(p).items()}
+    assert after == before, "an input file changed"
+    return result
+
+
+def _one_error_line(result, code: int, *needles: str) -> str:
+    text = result.output.strip()
+    assert result.exit_code == code, text
+    assert ("Traceback" not in text and result.exception is None) or isinstance(result.exception, SystemExit), text
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0] == text.splitlines()[-1], text
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+BENCH = ["bench", "--repeats", "1", "--warmup", "0", "--min-time", "0", "--no-memory", "--no-unfused"]
+CASES = [  # (id, args with {name} placeholders, input names, exit code, substrings of the error line)
+    ("bench-not-a-vit", [*BENCH, "resnet18", "--resolutions", "64"], [], 2, ["resnet18 is not a ViT-style"]),
+    ("bench-resolution", [*BENCH, "deit_tiny_patch16_224", "--depth", "1", "--resolutions", "100,224"], [], 2,
+     ["100 px are not a multiple of the patch size 16×16", "use e.g. 96"]),
+    ("bench-batch-0", [*BENCH, "deit_tiny_patch16_224", "--batch", "0"], [], 2, ["--batch must be at least 1"]),
+    ("bench-depth-0", [*BENCH, "deit_tiny_patch16_224", "--depth", "0"], [], 2, ["--depth must be at least 1"]),
+    ("fidelity-limit-0", ["fidelity", "{ckpt}", "--limit", "0"], ["ckpt"], 2, ["--limit must be at least 1"]),
+    ("fidelity-batch-0", ["fidelity", "{ckpt}", "--batch-size", "0"], ["ckpt"], 2, ["--batch-size must be"]),
+    ("fidelity-truncated", ["fidelity", "{truncated}", "--device", "cpu"], ["truncated"], 2,
+     ["model.safetensors is not a readable safetensors file", "download or export it again"]),
+    ("fidelity-older", ["fidelity", "{older}", "--device", "cpu"], ["older"], 2,
+     ["has format 0", "convert the original model again"]),
+    ("fidelity-newer", ["fidelity", "{newer}", "--device", "cpu"], ["newer"], 2,
+     ["written by vca-patch 0.9.0 (format 2)", "'vca-patch>=0.9.0'", "source tree"]),
+    ("push-truncated", ["push", "{truncated}", "acme/model"], ["truncated"], 2,
+     ["does not load, so nothing was pushed", "not a readable safetensors file"]),
+    ("convert-text-safetensors", ["convert", "deit_tiny_patch16_224", "--weights", "{text}", "-o", "{out}"],
+     ["text"], 1, ["text.safetensors is not a readable safetensors file"]),
+    ("convert-text-pth", ["convert", "deit_tiny_patch16_224", "--weights", "{textpth}", "-o", "{out}"],
+     ["textpth"], 1, ["text.pth is not a readable torch checkpoint"]),
+    ("convert-truncated", ["convert", "deit_tiny_patch16_224", "--weights", "{half}", "-o", "{out}"],
+     ["half"], 1, ["half.safetensors is not a readable safetensors file"]),
+    ("convert-out-holds-weights", ["convert", "deit_tiny_patch16_224", "--weights", "{root}/text.pth", "-o",
+     "{root}", "--force"], ["root"], 2, ["holds the --weights file"]),
+    ("convert-option-of-other-target", ["convert", "deit_tiny_patch16_224", "--no-pretrained", "--to", "mano",
+     "--contrast-tokens", "50", "-o", "{out}"], [], 2, ["--contrast-tokens is for --to vca, not --to mano"]),
+    ("convert-hub-hint-without-given-option", ["convert", "google/vit-base-patch16-224", "--no-pretrained", "-o",
+     "{out}"], [], 1, ["unreachable", "also with --no-pretrained"]),
+    ("finetune-out-is-input", ["finetune", "{ckpt}", "--recipe", str(RECIPE), "-o", "{ckpt}"], ["ckpt"], 2,
+     ["is the converted checkpoint"]),
+    ("finetune-out-inside-input", ["finetune", "{ckpt}", "--recipe", str(RECIPE), "-o", "{ckpt}/run"], ["ckpt"], 2,
+     ["is inside the converted checkpoint"]),
+    ("finetune-foreign-folder", ["finetune", "{ckpt}", "--recipe", str(RECIPE), "-o", "{newer}"], ["ckpt", "newer"],
+     2, ["is not empty and holds no finetune run", "--force"]),
+    ("finetune-resume-nothing", ["finetune", "{ckpt}", "--recipe", str(RECIPE), "-o", "{out}", "--resume"], ["ckpt"],
+     2, ["--resume:", "holds no training checkpoint"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "inputs", "code", "needles"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_gives_one_line_and_changes_nothing(files, tmp_path, monkeypatch, args, inputs, code, needles):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    names = {k: str(v) for k, v in files.items()} | {"out": str(tmp_path / "out")}
+    result = _run([a.format(**names) for a in args], [files[n] for n in inputs])
+    line = _one_error_line(result, code, *needles)
+    assert "or --no-pretrained for random" not in line  # never a hint to pass what was passed
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_into_the_current_folder_is_refused_and_leaves_no_debris(tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    for output in (".", str(tmp_path), ".."):
+        result = _run(["convert", "deit_tiny_patch16_224", "--no-pretrained", "-o", output, "--force"], [tmp_path])
+        _one_error_line(result, 2, "current folder", "sub-folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert not [p for p in tmp_path.parent.iterdir() if ".old-" in p.name or ".staging-" in p.name]
+
+
+def test_staged_directory_resolves_a_relative_name_and_cleans_up_after_a_failure(tmp_path, monkeypatch):
+    from vca_patch.io.atomic import UnsafeOutputError, staged_directory
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "old.txt").write_text("old")
+    with pytest.raises(UnsafeOutputError), staged_directory(Path("."), overwrite=True):
+        pass
+    with pytest.raises(OSError, match="disk full"), staged_directory(Path("sub/../sub"), overwrite=True) as stage:
+        (stage / "new.txt").write_text("new")
+        raise OSError("disk full")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["old.txt"]
+
+
+def test_convert_force_names_the_files_it_will_remove_before_writing(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep?")
+    result = runner.invoke(app, ["convert", "deit_tiny_patch16_224", "--no-pretrained", "-o", str(out), "--force"])
+    assert result.exit_code == 0, result.output
+    warning = next(line for line in result.output.splitlines() if line.startswith("warning:"))
+    assert "will be removed: notes.txt" in warning
+    assert result.output.index("warning:") < result.output.index("Attention sites")  # said before the work
+
+
+def test_an_interrupted_finetune_marks_metrics_and_names_the_resume_step(files, tmp_path, monkeypatch):
+    """Ctrl-C inside the training loop: metrics.json says interrupted (not running) and --resume's step."""
+    out = tmp_path / "run"
+
+    def interrupted(student, teacher, recipe, output, **kwargs):
+        step = Path(output) / "checkpoints" / "step_0000007"
+        step.mkdir(parents=True)
+        (step / "trainer_state.json").write_text(json.dumps({"global_step": 7}))
+        (Path(output) / "metrics.json").write_text(json.dumps({"recipe": recipe.name, "status": "running"}))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(finetune_module, "run_recipe", interrupted)
+    monkeypatch.setattr(finetune_module, "check_data_fits", lambda *a: None)
+    monkeypatch.setattr(finetune_module, "build_dataset", lambda *a, **k: [(torch.zeros(3, 224, 224), 0)])
+    result = _run(["finetune", str(files["ckpt"]), "--recipe", str(RECIPE), "-o", str(out), "--device", "cpu"],
+                  [files["ckpt"]])  # fmt: skip
+    _one_error_line(result, 130, "interrupted", "--resume", "step 7")
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "interrupted" and metrics["resume_step"] == 7
+    resumed = runner.invoke(app, ["finetune", str(files["ckpt"]), "--recipe", str(RECIPE), "-o", str(out),
+                                  "--resume", "--device", "cpu"])  # fmt: skip
+    assert "Resuming from step 7" in resumed.output
+
+
+def test_a_recipe_whose_images_do_not_fit_the_model_stops_before_training(files, tmp_path):
+    from vca_patch.data import DatasetError
+    from vca_patch.train import load_recipe
+    from vca_patch.train.finetune import check_data_fits
+
+    gray = [(torch.zeros(1, 224, 224), 0)]
+    with pytest.raises(DatasetError, match=r"images of shape \(1, 224, 224\), but the model takes \(3, 224, 224\)"):
+        check_data_fits(gray, (3, 224, 224), load_recipe(RECIPE))
+    check_data_fits([(torch.zeros(3, 224, 224), 0)], (3, 224, 224), load_recipe(RECIPE))
