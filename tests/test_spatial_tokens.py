@@ -373,3 +373,29 @@ def test_convert_function_for_the_cli(tmp_path):
     ).exists()
     with pytest.raises(FileExistsError):
         convert_to_llava_sp(str(source), tmp_path / "sp", SpatialTokensConfig())
+
+
+def test_convert_cli_adds_spatial_tokens_to_a_llava_folder(tmp_path):
+    from typer.testing import CliRunner
+
+    from vca_patch.cli import app
+
+    model = tiny_llava()
+    model.save_pretrained(tmp_path / "llava")
+    out = tmp_path / "sp"
+    args = ["convert", str(tmp_path / "llava"), "-o", str(out), "--to", "llava-sp", "--spatial-variant", "cropping"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    again = load_spatial_tokens(out)
+    assert get_spatial_projector(again) is not None and image_token_count(again) == GRID * GRID + 6
+    other = tmp_path / "other"
+    bad = CliRunner().invoke(app, [*args[:3], str(other), "--to", "llava-sp", "--spatial-variant", "nope"])
+    assert bad.exit_code == 2 and "variant" in bad.output and not other.exists()
+
+
+def test_inspect_of_a_whole_llava_converts_the_vision_tower_and_never_the_language_model():
+    from vca_patch.surgery import inspect_model
+
+    report = inspect_model(tiny_llava())
+    assert [s.path for s in report.patched] == [f"model.vision_tower.encoder.layers.{i}.self_attn" for i in (0, 1)]
+    assert {s.reason for s in report.skipped} == {"text tower / language model (causal attention): never patched"}

@@ -50,7 +50,9 @@ def convert(
     include: Annotated[str | None, typer.Option(help="Regex: convert only matching module paths")] = None,
     exclude: Annotated[str | None, typer.Option(help="Regex: never convert matching module paths")] = None,
     strict: Annotated[bool, typer.Option("--strict", help="Refuse approximate or unverified conversions")] = False,
-    to: Annotated[str, typer.Option("--to", help="Target attention: vca or mano")] = "vca",
+    to: Annotated[
+        str, typer.Option("--to", help="Target: vca or mano (attention); llava-sp (spatial tokens on a LLaVA)")
+    ] = "vca",
     contrast_tokens: Annotated[int, typer.Option(help="Pooled contrast tokens n (a perfect square)")] = 49,
     softmax: Annotated[str, typer.Option(help="Stage-II softmax: joint or separate")] = "joint",
     init: Annotated[
@@ -83,8 +85,16 @@ def convert(
     ] = None,
     device: Annotated[str, typer.Option(help=f"Where to convert and measure: {DEVICE_HELP}")] = "auto",
     dtype: Annotated[str, typer.Option(help=f"{DTYPE_HELP} (the model is cast, then patched)")] = "float32",
+    spatial_variant: Annotated[str, typer.Option(help="LLaVA-SP: pooling or cropping")] = "pooling",
+    spatial_tokens: Annotated[int, typer.Option(help="LLaVA-SP: spatial tokens added per image")] = 6,
 ) -> None:
-    """Convert MODEL's softmax attention to VCA (or MANO with --to mano) and save it to --output."""
+    """Convert MODEL's softmax attention to VCA (or MANO with --to mano) and save it to --output.
+
+    With --to llava-sp, MODEL is a transformers LLaVA (folder or Hub id) and gets LLaVA-SP's spatial tokens.
+    """
+    if to == "llava-sp":
+        _convert_llava_sp(model, output, pretrained, spatial_variant, spatial_tokens, seed, force)
+        return
     torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
     try:
         check_output_dir(output, overwrite=force)
@@ -114,7 +124,7 @@ def convert(
                 layers=parse_layers(layers), seed=seed, include=include, exclude=exclude,
             )  # fmt: skip
         else:
-            raise ConfigError(f"--to must be 'vca' or 'mano', got {to!r}")
+            raise ConfigError(f"--to must be 'vca', 'mano' or 'llava-sp', got {to!r}")
     except (OutputExistsError, UnsafeOutputError, ConfigError) as exc:
         fail(str(exc), 2)
     if weights is not None and not weights.is_file():
@@ -160,3 +170,27 @@ def convert(
     console.print(totals_table(report, probe=metrics))
     console.print(summary_table(fidelity_summary, f"Fidelity to the original ({measured_on})"))
     console.print(f"[bold green]Saved[/] {output}/ (model.safetensors, config.json, README.md)")
+
+
+def _convert_llava_sp(
+    model: str, output: Path, pretrained: bool, variant: str, num_tokens: int, seed: int, force: bool
+) -> None:
+    """`convert --to llava-sp`: add spatial tokens to a LLaVA's projector and save model, tokens and processor."""
+    from ..io.base_model import HubUnavailableError, UnknownModelError
+    from ..spatial_tokens import SpatialTokensConfig
+    from ..spatial_tokens.convert import convert_to_llava_sp
+    from ..spatial_tokens.model import SpatialTokensError
+
+    try:
+        config = SpatialTokensConfig(variant=variant, num_tokens=num_tokens, seed=seed)
+    except ValueError as exc:
+        fail(str(exc), 2)
+    try:
+        with console.status(f"Adding {num_tokens} {variant} spatial tokens to {model}..."):
+            report = convert_to_llava_sp(model, output, config, pretrained=pretrained, overwrite=force)
+    except (OutputExistsError, UnsafeOutputError) as exc:
+        fail(str(exc), 2)
+    except (SpatialTokensError, UnknownModelError, HubUnavailableError) as exc:
+        fail(str(exc), 1)
+    console.print(str(report), highlight=False, soft_wrap=True)
+    console.print(f"Saved {output}/ (load with vca_patch.load_spatial_tokens)")
