@@ -132,3 +132,21 @@ def test_set_binarization_needs_a_didb_model():
     model, _ = tiny()
     with pytest.raises(vca_patch.PatchError, match="DIDBConfig"):
         set_binarization(model, weights=False)
+
+
+def test_convert_cli_to_didb_saves_a_checkpoint_that_reloads(tmp_path):
+    from typer.testing import CliRunner
+
+    from vca_patch.cli import app
+
+    out = tmp_path / "didb"
+    args = ["convert", "deit_tiny_patch16_224", "--no-pretrained", "--to", "didb", "--layers", "0-1", "-o", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    model = vca_patch.from_pretrained(out)
+    assert model.vca_patch_state.config.target == "didb" and len(model.vca_patch_state.report.patched) == 2
+    assert isinstance(model.blocks[0].mlp.act, ImprovedRPReLU) and not isinstance(
+        model.blocks[2].mlp.act, ImprovedRPReLU
+    )
+    bad = CliRunner().invoke(app, [*args, "--force", "--window", "5"])
+    assert bad.exit_code == 2 and "--window is for --to mano" in bad.output

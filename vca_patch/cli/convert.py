@@ -9,6 +9,7 @@ import torch
 import typer
 
 from ..config import ConfigError, MANOConfig, TargetConfig, VCAConfig
+from ..didb import DIDBConfig
 from ..fidelity import compare_outputs, probe_batch
 from ..io import OutputExistsError, save_pretrained
 from ..io.atomic import UnsafeOutputError, check_output_dir, check_output_outside_inputs, foreign_entries
@@ -51,7 +52,7 @@ def convert(
     exclude: Annotated[str | None, typer.Option(help="Regex: never convert matching module paths")] = None,
     strict: Annotated[bool, typer.Option("--strict", help="Refuse approximate or unverified conversions")] = False,
     to: Annotated[
-        str, typer.Option("--to", help="Target: vca or mano (attention); llava-sp (spatial tokens on a LLaVA)")
+        str, typer.Option("--to", help="Target: vca, mano, didb (binarised); llava-sp (spatial tokens on a LLaVA)")
     ] = "vca",
     contrast_tokens: Annotated[int, typer.Option(help="Pooled contrast tokens n (a perfect square)")] = 49,
     softmax: Annotated[str, typer.Option(help="Stage-II softmax: joint or separate")] = "joint",
@@ -106,6 +107,7 @@ def convert(
                     "--calibration-data": (calibration_data, None)},
             "mano": {"--window": (window, 7), "--rate": (rate, 2), "--levels": (levels, None), "--down": (down, "conv"),
                      "--up": (up, "conv"), "--prefix": (prefix, "global")},
+            "didb": {},  # no options of its own: those of the other targets are refused
         }  # fmt: skip
         for target, given in options.items():
             other = [name for name, (value, default) in given.items() if value != default]
@@ -123,8 +125,10 @@ def convert(
                 window=window, rate=rate, levels=levels, down=down, up=up, init=init, prefix=prefix,
                 layers=parse_layers(layers), seed=seed, include=include, exclude=exclude,
             )  # fmt: skip
+        elif to == "didb":
+            config = DIDBConfig(layers=parse_layers(layers), seed=seed, include=include, exclude=exclude)
         else:
-            raise ConfigError(f"--to must be 'vca', 'mano' or 'llava-sp', got {to!r}")
+            raise ConfigError(f"--to must be 'vca', 'mano', 'didb' or 'llava-sp', got {to!r}")
     except (OutputExistsError, UnsafeOutputError, ConfigError) as exc:
         fail(str(exc), 2)
     if weights is not None and not weights.is_file():
