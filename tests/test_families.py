@@ -113,7 +113,7 @@ def test_clip_text_tower_and_siglip_pooling_head_are_never_patched():
     clip = transformers.CLIPModel(transformers.CLIPConfig(vision_config=SMALL_HF, text_config=text)).eval()
     report = patch_model(clip, VCAConfig(contrast_tokens=4))
     assert all(s.path.startswith("vision_model.") for s in report.patched)
-    assert {s.reason for s in report.skipped} == {"text tower (causal attention): never patched"}
+    assert {s.reason for s in report.skipped} == {"text tower / language model (causal attention): never patched"}
     with torch.no_grad():
         out = clip(input_ids=torch.tensor([[1, 2, 3]]), pixel_values=torch.randn(1, 3, 32, 32))
     assert torch.isfinite(out.logits_per_image).all()

@@ -219,7 +219,7 @@ def test_vca_core_is_the_plain_layer(swin):
 
 def test_strict_mode_refuses_the_approximate_global_mode_and_accepts_the_exact_residual_one(swin):
     model = copy.deepcopy(swin)
-    with pytest.raises(PatchError, match="strict mode refuses.*relative-position bias"):
+    with pytest.raises(PatchError, match=r"strict mode refuses.*relative-position bias"):
         patch_model(model, VCAConfig(swin_mode="global"), strict=True)
     assert not any(isinstance(m, WindowedVCA) for m in model.modules())  # refused whole: nothing changed
     report = patch_model(model, VCAConfig(swin_mode="residual"), strict=True)

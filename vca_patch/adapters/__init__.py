@@ -7,13 +7,18 @@ from torch import nn
 from .base import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite
 from .diffusers_dit import DiffusersDiTAdapter
 from .generic import GenericAdapter
+from .hf_pvt import HFPvtAdapter
+from .hf_swin import HFSwinAdapter
 from .hf_vision import HFVisionAdapter
 from .timm_pvt import TimmPVTAdapter
 from .timm_swin import TimmSwinAdapter
 from .timm_vit import TimmViTAdapter
 
 # First match wins: the family adapters before generic detection.
-_ORDER = (TimmViTAdapter, TimmPVTAdapter, TimmSwinAdapter, HFVisionAdapter, DiffusersDiTAdapter, GenericAdapter)
+_ORDER = (
+    TimmViTAdapter, TimmPVTAdapter, TimmSwinAdapter, HFPvtAdapter, HFSwinAdapter, HFVisionAdapter,
+    DiffusersDiTAdapter, GenericAdapter,
+)  # fmt: skip
 ADAPTERS: dict[str, type[ModelAdapter]] = {adapter.name: adapter for adapter in _ORDER}
 
 

@@ -16,8 +16,10 @@ from .call_shims import TokensOnly, TupleOutput
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
 _OUTPUT_NAMES = ("o_proj", "out_proj")
-_TEXT_TOWER = re.compile(r"(?:^|\.)text_(?:model|tower|encoder)(?:\.|$)")
+_TEXT_TOWER = re.compile(r"(?:^|\.)(?:text_(?:model|tower|encoder)|language_model)(?:\.|$)")
 BIAS_APPROXIMATION = "relative position bias dropped (VCA has no pairwise token bias)"
+# Hierarchical families (one grid per stage, windows or spatial reduction) have adapters of their own.
+HIERARCHICAL_MODEL_TYPES = frozenset({"swin", "swinv2", "pvt", "pvt_v2"})
 
 
 def _output_name(module: nn.Module) -> str | None:
@@ -76,6 +78,8 @@ class HFVisionAdapter(ModelAdapter):
 
     @classmethod
     def applies_to(cls, model: nn.Module) -> bool:
+        if getattr(getattr(model, "config", None), "model_type", None) in HIERARCHICAL_MODEL_TYPES:
+            return False
         return type(model).__module__.startswith("transformers.") and cls._find_embeddings(model) is not None
 
     @staticmethod
@@ -105,7 +109,9 @@ class HFVisionAdapter(ModelAdapter):
             elif _is_qkv_attention(module):
                 match = _LAYER_INDEX.search(path + ".")
                 if _TEXT_TOWER.search(path) or "Text" in class_name:
-                    skipped.append(SkippedSite(path, class_name, "text tower (causal attention): never patched"))
+                    skipped.append(
+                        SkippedSite(path, class_name, "text tower / language model (causal attention): never patched")
+                    )
                 elif match is None:
                     skipped.append(SkippedSite(path, class_name, "not inside an encoder layer"))
                 else:

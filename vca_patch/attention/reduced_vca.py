@@ -28,28 +28,38 @@ from .vca import VisualContrastAttention
 class SpatialReductionVCA(VisualContrastAttention):
     """VCA whose keys and values come from a carried spatial reduction (`sr` conv + `norm`), or plain VCA without.
 
-    Built like `VisualContrastAttention` around a q/kv view (`QAndKV`); `carry_reduction` then registers the
-    original `sr` and `norm` under their names (PVT's `norm` is the reduction's LayerNorm, so this layer applies
-    no norm before `proj`). Called as PVT calls its attention: `layer(x, feat_size)`.
+    Built like `VisualContrastAttention` around a q/kv view (`QAndKV`, or q/k/v: `SplitQKV`); `carry_reduction`
+    then registers the original `sr` and `norm` under their names (PVT's `norm` is the reduction's LayerNorm, so
+    this layer applies no norm before `proj`). Called as PVT calls its attention: `layer(x, feat_size)`.
     """
 
+    _reduction_names: tuple[str, str] = ("sr", "norm")
+
     @torch.no_grad()
-    def carry_reduction(self, sr: nn.Module | None, norm: nn.Module | None) -> None:
-        """Take the original reduction conv and LayerNorm (both None: no reduction)."""
+    def carry_reduction(
+        self, sr: nn.Module | None, norm: nn.Module | None, names: tuple[str, str] = ("sr", "norm")
+    ) -> None:
+        """Take the original reduction conv and LayerNorm (both None: no reduction), under their original
+        `names` (timm: sr, norm; transformers: spatial_reduction, layer_norm)."""
         if (sr is None) != (norm is None):
             raise ValueError("a spatial reduction needs both its conv (sr) and its norm")
         if sr is not None:
-            self._carry("sr", sr)
-            self._modules["norm"] = norm  # replaces the Identity: PVT's name for the reduction norm
+            self._reduction_names = tuple(names)
+            self._carry(names[0], sr)
+            self._modules[names[1]] = norm  # "norm" replaces the Identity: PVT's name for the reduction norm
 
     @property
     def sr(self) -> nn.Module | None:
-        return self._modules.get("sr")
+        return self._modules.get(self._reduction_names[0])
+
+    @property
+    def reduction_norm(self) -> nn.Module:
+        return self._modules[self._reduction_names[1]]
 
     def carried_members(self) -> dict:
         members = super().carried_members()
         if self.sr is not None:
-            members.update(sr=self.sr, norm=self._modules["norm"])
+            members.update(zip(self._reduction_names, (self.sr, self.reduction_norm), strict=True))
         return members
 
     def forward(
@@ -81,13 +91,16 @@ class SpatialReductionVCA(VisualContrastAttention):
         """q [B, M, N, d]; k, v [B, M, N/R², d] from the reduced grid; v upsampled to the H×W grid [B, M, N, d]."""
         B, _, C = x.shape
         H, W = layout.grid
-        q_name, kv_name = self._qkv_layout[1]
-        q = self._heads(carried_member(self, q_name)(x))
+        names = self._qkv_layout[1]  # (q, kv) or (q, k, v)
+        q = self._heads(carried_member(self, names[0])(x))
         reduced = self.sr(x.transpose(1, 2).reshape(B, C, H, W))  # [B, C, h, w]
         h, w = reduced.shape[-2:]
-        reduced = self._modules["norm"](reduced.flatten(2).transpose(1, 2))  # [B, h·w, C]
-        kv = carried_member(self, kv_name)(reduced).view(B, h * w, 2, self.num_heads, self.head_dim)
-        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # [B, M, h·w, d]
+        reduced = self.reduction_norm(reduced.flatten(2).transpose(1, 2))  # [B, h·w, C]
+        if len(names) == 2:
+            kv = carried_member(self, names[1])(reduced).view(B, h * w, 2, self.num_heads, self.head_dim)
+            k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # [B, M, h·w, d]
+        else:
+            k, v = (self._heads(carried_member(self, name)(reduced)) for name in names[1:])
         v_grid = v.transpose(1, 2).reshape(B, h, w, self.attn_dim).permute(0, 3, 1, 2)  # [B, C, h, w]
         upsampled = F.interpolate(v_grid, size=(H, W), mode="bilinear", align_corners=False)
         local_values = self._heads(upsampled.flatten(2).transpose(1, 2))  # [B, M, N, d]

@@ -60,26 +60,33 @@ class CarriedReductionAttention(StagedCarriedAttention):
 
     sr: nn.Module | None = None
     reduction_norm: nn.Module | None = None
+    reduction_names: tuple[str, str] = ("sr", "norm")  # the original module's names for sr and its norm
 
     def build_vca(self, mode: str | None, **kwargs: Any) -> SpatialReductionVCA:
         layer = self._build(SpatialReductionVCA, **kwargs)
-        layer.carry_reduction(self.sr, self.reduction_norm)
+        layer.carry_reduction(self.sr, self.reduction_norm, self.reduction_names)
         layer.hierarchical_settings["mode"] = "reduction-kept"
         return layer
 
 
 @dataclass
 class CarriedWindowAttention(StagedCarriedAttention):
-    """Swin window attention: fused qkv, proj, the relative-position bias table and its index."""
+    """Swin window attention: fused qkv, proj, the relative-position bias table and its index (or their module)."""
 
     mode_option: ClassVar[str | None] = "swin_mode"
 
     bias_table: nn.Parameter | None = None
     bias_index: torch.Tensor | None = None
+    # Or the module holding both (`relative_position_bias_table`, `relative_position_index`), carried whole
+    # under its original name (transformers' `relative_position_bias`).
+    bias_module: nn.Module | None = None
+    bias_module_name: str | None = None
 
     def build_vca(self, mode: str | None, **kwargs: Any) -> WindowedVCA:
         layer = self._build(WindowedVCA, mode=mode or "residual", **kwargs)
-        if layer.mode == "residual":
+        if layer.mode == "residual" and self.bias_module is not None:
+            layer.carry_window_bias_module(self.bias_module_name, self.bias_module)
+        elif layer.mode == "residual":
             layer.carry_window_bias(self.bias_table, self.bias_index)
         layer.hierarchical_settings["mode"] = layer.mode
         grid = self.settings.get("grid")

@@ -60,10 +60,28 @@ class WindowedVCA(VisualContrastAttention):
         self._carry("relative_position_bias_table", table)
         self.register_buffer("relative_position_index", index, persistent=False)
 
+    def carry_window_bias_module(self, name: str, module: nn.Module) -> None:
+        """Take the module that holds the bias table and its index (`relative_position_bias_table`,
+        `relative_position_index`) whole, under its original name (transformers' `relative_position_bias`)."""
+        if self.mode != "residual":
+            raise ValueError("only the residual mode keeps the window attention's bias")
+        self._carry(name, module)
+        self._bias_module_name = name
+
+    _bias_module_name: str | None = None
+
+    def _bias_table_and_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._bias_module_name is not None:
+            owner = self._modules[self._bias_module_name]
+            return owner.relative_position_bias_table, owner.relative_position_index
+        return self._parameters["relative_position_bias_table"], self.relative_position_index
+
     def carried_members(self) -> dict:
         members = super().carried_members()
         if "relative_position_bias_table" in self._parameters:
             members["relative_position_bias_table"] = self._parameters["relative_position_bias_table"]
+        if self._bias_module_name is not None:
+            members[self._bias_module_name] = self._modules[self._bias_module_name]
         return members
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,8 +106,8 @@ class WindowedVCA(VisualContrastAttention):
         B_, N, _ = x.shape
         M = self.num_heads
         q, k, v = self.qkv(x).view(B_, N, 3, M, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        table = self._parameters["relative_position_bias_table"]
-        bias = table[self.relative_position_index.view(-1)].view(N, N, M).permute(2, 0, 1).unsqueeze(0)  # [1,M,N,N]
+        table, index = self._bias_table_and_index()
+        bias = table[index.view(-1)].view(N, N, M).permute(2, 0, 1).unsqueeze(0)  # [1,M,N,N]
         if mask is not None:
             nW = mask.shape[0]
             bias = (bias + mask.to(bias.dtype).unsqueeze(1)).unsqueeze(0).expand(B_ // nW, -1, -1, -1, -1)

@@ -1,0 +1,188 @@
+"""Hugging Face transformers PVTv2 (`PvtV2Model`, `PvtV2ForImageClassification`, `PvtV2Backbone`):
+spatial-reduction attention converted with its reduction kept (exact carry), as timm's (`timm_pvt`).
+
+`PvtV2SelfAttention` holds `query`, `key`, `value`, `proj`, the reduction `spatial_reduction` (conv k = s = R) and
+`layer_norm`, and is called `attention(hidden_states=, height=, width=, output_attentions=)`, returning a tuple.
+The replacement (`SpatialReductionVCA`) keeps those names (state-dict keys unchanged) and takes the grid from the
+call's height and width; λ_init follows the global block index over all stages. `linear_attention` models are
+skipped (already linear), and so is PVT v1 (`PvtModel`), with its reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention import TokenLayout
+from ..attention.fused_qkv import SplitQKV
+from ..attention.staged_carry import CarriedReductionAttention
+from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
+from .hf_vision import HFVisionAdapter
+from .timm_pvt import LINEAR_ATTENTION_REASON, reference_reduction_attention
+from .verify import TOLERANCE
+
+_V2_MODULE = "transformers.models.pvt_v2.modeling_pvt_v2"
+_V1_MODULE = "transformers.models.pvt.modeling_pvt"
+_SITE = re.compile(r"(?:^|\.)layers\.(\d+)\.blocks\.(\d+)\.attention$")
+_QKV_NAMES = ("query", "key", "value")
+_REDUCTION_NAMES = ("spatial_reduction", "layer_norm")
+PVT_V1_REASON = (
+    "transformers PvtModel (PVT v1) is not supported: its last stage has a CLS token and its output projection "
+    "lives outside the attention module (attention.output.dense); use PvtV2Model or timm's pvt_v2_*"
+)
+
+
+def _conv_out(size: tuple[int, int], conv: nn.Conv2d) -> tuple[int, int]:
+    return tuple(
+        (s + 2 * p - d * (k - 1) - 1) // st + 1
+        for s, p, d, k, st in zip(size, conv.padding, conv.dilation, conv.kernel_size, conv.stride, strict=True)
+    )
+
+
+class PvtCallShim:
+    """Forward pre-hook: `attention(hidden_states=, height=, width=, output_attentions=)` -> `layer(x, (H, W))`.
+
+    Asking for attention weights (`output_attentions=True`) is an error: VCA has no N×N attention map.
+    """
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        names = ("hidden_states", "height", "width", "output_attentions")
+        values = dict(zip(names, args, strict=False)) | kwargs
+        unknown = sorted(set(values) - set(names) - {"layout"})
+        if unknown:
+            raise TypeError(f"{type(module).__name__} (patched by vca_patch) takes no argument(s) {unknown}")
+        if values.get("output_attentions"):
+            raise ValueError(
+                f"{type(module).__name__} (patched by vca_patch) has no attention weights to output: "
+                "call the model with output_attentions=False"
+            )
+        x, height, width = values["hidden_states"], values["height"], values["width"]
+        return (x, (int(height), int(width))), {}
+
+
+class OneTuple:
+    """Forward hook: return `(output,)`, as `PvtV2SelfAttention` does without `output_attentions`."""
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> tuple[torch.Tensor]:
+        return (output,)
+
+
+class HFPvtAdapter(ModelAdapter):
+    """Converts transformers PVTv2 spatial-reduction attention to `SpatialReductionVCA`; see the module docstring."""
+
+    name = "hf-pvt"
+
+    def __init__(self) -> None:
+        self._stages: dict[str, tuple[int, dict[str, Any]]] = {}  # site path -> (stage, report settings)
+
+    @classmethod
+    def applies_to(cls, model: nn.Module) -> bool:
+        return type(model).__module__ in (_V2_MODULE, _V1_MODULE)
+
+    @staticmethod
+    def _encoder(model: nn.Module) -> nn.Module:
+        return next(m for m in model.modules() if type(m).__name__ in ("PvtV2Encoder", "PvtEncoder"))
+
+    def stage_grids(self, model: nn.Module) -> list[tuple[int, int]]:
+        """Each stage's grid at the config's image size (conv arithmetic of the overlapping patch embeddings)."""
+        size = model.config.image_size
+        grid = (size, size) if isinstance(size, int) else tuple(size)
+        grids = []
+        for layer in self._encoder(model).layers:
+            grid = _conv_out(grid, layer.patch_embedding.proj)
+            grids.append(grid)
+        return grids
+
+    def find_sites(self, model: nn.Module) -> tuple[list[AttentionSite], list[SkippedSite]]:
+        sites: list[AttentionSite] = []
+        skipped: list[SkippedSite] = []
+        if type(model).__module__ == _V1_MODULE:
+            for path, module in model.named_modules():
+                if type(module).__name__ == "PvtEfficientSelfAttention":
+                    skipped.append(SkippedSite(path, type(module).__name__, PVT_V1_REASON))
+            return sites, skipped
+        grids = self.stage_grids(model)
+        index = 0
+        for path, attn in model.named_modules():
+            match = _SITE.search(path)
+            if match is None or type(attn).__name__ != "PvtV2SelfAttention":
+                continue
+            stage = int(match.group(1))
+            if attn.linear_attention:
+                skipped.append(SkippedSite(path, type(attn).__name__, LINEAR_ATTENTION_REASON))
+            else:
+                grid = grids[stage]
+                text = f"{grid[0]}x{grid[1]}"
+                sr = getattr(attn, "spatial_reduction", None)
+                if sr is not None:
+                    keys = _conv_out(grid, sr)
+                    text += f", keys {keys[0]}x{keys[1]} (sr {sr.stride[0]})"
+                self._stages[path] = (stage, {"stage": stage, "grid": text})
+                notes = list(filter(None, [attention_dropout_note(attn)]))
+                sites.append(AttentionSite(path, attn, index, attn.hidden_size, attn.num_attention_heads, notes))
+            index += 1
+        return sites, skipped
+
+    def embedding_module(self, model: nn.Module) -> nn.Module:
+        encoder = self._encoder(model)
+        return encoder.layers[0].patch_embedding if hasattr(encoder, "layers") else encoder.patch_embeddings[0]
+
+    def layout_from_embedding(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> TokenLayout:
+        _, height, width = output  # (tokens, height, width): stage 1's grid
+        return TokenLayout(0, (int(height), int(width)))
+
+    def default_layout(self, model: nn.Module) -> TokenLayout | None:
+        return TokenLayout(0, self.stage_grids(model)[0])
+
+    def carry(self, site: AttentionSite) -> CarriedReductionAttention:
+        attn = site.module
+        stage, settings = self._stages[site.path]
+        sr = getattr(attn, "spatial_reduction", None)
+        return CarriedReductionAttention(
+            qkv=SplitQKV(attn, _QKV_NAMES), proj=attn.proj, num_heads=attn.num_attention_heads,
+            head_dim=attn.attention_head_size, proj_drop=attn.proj_drop, stage=stage, settings=settings, sr=sr,
+            reduction_norm=attn.layer_norm if sr is not None else None, reduction_names=_REDUCTION_NAMES,
+        )  # fmt: skip
+
+    def adapt_call(self, replacement: nn.Module, site: AttentionSite) -> None:
+        replacement.register_forward_pre_hook(PvtCallShim(), with_kwargs=True)
+        replacement.register_forward_hook(OneTuple())
+
+    @torch.no_grad()
+    def verify(self, site: AttentionSite) -> AttentionSite:
+        """The module must equal spatial-reduction softmax attention built from its query/key/value, reduction
+        and proj (on a non-square grid, so a transposed grid would show)."""
+        module = site.module
+        weight = next(module.parameters())
+        if weight.is_meta:
+            return site
+        carried = self.carry(site)
+        ratio = max(module.spatial_reduction_ratio, 2)
+        grid = (2 * ratio, 3 * ratio)
+        if weight.dtype in (torch.float16, torch.bfloat16):  # checked in float32, on a copy
+            module, carried = copy.deepcopy((module, carried))
+            module.float()
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(2, grid[0] * grid[1], site.dim, generator=generator).to(next(module.parameters()))
+        was_training = module.training
+        module.eval()
+        try:
+            expected = module(x, grid[0], grid[1])[0]
+        finally:
+            module.train(was_training)
+        error = float((reference_reduction_attention(carried, x, grid) - expected).norm() / expected.norm())
+        site.verified = error < TOLERANCE
+        if not site.verified:
+            site.notes.append(f"reference spatial-reduction attention differs by {error:.2g} (relative)")
+        return site
+
+    def describe_base(self, model: nn.Module) -> dict[str, Any]:
+        return HFVisionAdapter.describe_base(self, model)
+
+    @classmethod
+    def create_base(cls, description: dict[str, Any]) -> nn.Module:
+        return HFVisionAdapter.create_base(description)

@@ -1,0 +1,271 @@
+"""Hugging Face transformers Swin (`SwinModel`, `SwinForImageClassification`, `SwinBackbone`): window attention
+converted to `WindowedVCA` in stages 1…S−1 (the paper's AAAB), as timm's (`timm_swin`).
+
+`SwinAttention` (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `relative_position_bias`) is called on the windows of
+its `SwinLayer` and returns `(output, weights)`. A pre-hook on each patched `SwinLayer` records the call's grid
+(`input_dimensions`), window and shift — after `set_shift_and_window_size`, which the layer itself applies — and
+the replacement rebuilds the full grid from the windows (`RecordingClamp` records it again when gradient
+checkpointing recomputes the layer, where hooks do not run). transformers pads the grid before the cyclic shift
+(timm shifts, then pads), so the windows are read with `PaddedShiftWindowCall`. Modes (`VCAConfig.swin_mode`):
+"residual" (default; the window attention kept, its `relative_position_bias` module carried whole under its name,
+plus a zero-gated global VCA branch: exact at init) and "global" (approximate: the bias, window locality and shift
+mask dropped). The last stage stays window softmax attention; Swinv2 is skipped with its reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention import TokenLayout
+from ..attention.fused_qkv import SplitQKV
+from ..attention.staged_carry import CarriedWindowAttention
+from ..attention.window_call import WindowCall, close_window_call, current_window_call, open_window_call
+from ..attention.windows import pad_grid, window_merge, window_partition
+from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
+from .call_shims import TupleOutput
+from .hf_vision import HFVisionAdapter
+from .timm_swin import GLOBAL_MODE_NOTE, LAST_STAGE_REASON, reference_window_attention
+from .verify import TOLERANCE
+
+_SWIN_MODULE = "transformers.models.swin.modeling_swin"
+_SWINV2_MODULE = "transformers.models.swinv2.modeling_swinv2"
+_SITE = re.compile(r"(?:^|\.)layers\.(\d+)\.blocks\.(\d+)\.attention$")
+_IGNORED_KWARGS = ("output_attentions", "output_hidden_states", "return_dict", "layout")
+SWINV2_REASON = (
+    "transformers Swinv2 is not supported yet (cosine attention with a continuous position bias, split "
+    "self/output modules); use SwinModel or timm's swinv2_*"
+)
+
+
+class PaddedShiftWindowCall(WindowCall):
+    """A window call of transformers' `SwinLayer`: the grid padded to whole windows first, then rolled by `shift`."""
+
+    def windows_to_grid(self, windows: torch.Tensor) -> torch.Tensor:
+        kh, kw = self.window
+        if windows.shape[1] != kh * kw or windows.shape[0] % self.num_windows:
+            raise ValueError(
+                f"got {tuple(windows.shape[:2])} window tokens, expected (B·{self.num_windows}, {kh * kw}) for a "
+                f"{self.grid[0]}x{self.grid[1]} grid in {kh}x{kw} windows"
+            )
+        grid = window_merge(windows.view(-1, self.num_windows, kh * kw, windows.shape[-1]), self.padded, self.window)
+        if any(self.shift):
+            grid = torch.roll(grid, shifts=self.shift, dims=(1, 2))
+        return grid[:, : self.grid[0], : self.grid[1]].contiguous()
+
+    def grid_to_windows(self, grid: torch.Tensor) -> torch.Tensor:
+        padded = pad_grid(grid, self.padded)
+        if any(self.shift):
+            padded = torch.roll(padded, shifts=(-self.shift[0], -self.shift[1]), dims=(1, 2))
+        windows = window_partition(padded, self.window)  # [B, nW, kh·kw, C]
+        return windows.reshape(-1, windows.shape[-2], windows.shape[-1])
+
+
+def _window_and_shift(block: nn.Module, grid: tuple[int, int]) -> tuple[int, int]:
+    """The window and shift `SwinLayer` uses on `grid` (it clamps both when the grid is no larger than a window)."""
+    if min(grid) <= block.window_size:
+        return int(min(grid)), 0
+    return int(block.window_size), int(block.shift_size)
+
+
+class SwinLayerWindowHook:
+    """Forward pre-hook on a transformers `SwinLayer`: opens the call's `WindowCall` scope."""
+
+    def __call__(self, block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        dims = args[1] if len(args) > 1 else kwargs["input_dimensions"]
+        always_partition = args[2] if len(args) > 2 else kwargs.get("always_partition", False)
+        grid = (int(dims[0]), int(dims[1]))
+        if always_partition:
+            window, shift = int(block.window_size), int(block.shift_size)
+        else:
+            window, shift = _window_and_shift(block, grid)
+        open_window_call(self, PaddedShiftWindowCall(grid, (window, window), (shift, shift)))
+
+    def current(self) -> WindowCall | None:
+        return current_window_call(self)
+
+
+class RecordingClamp:
+    """Instance override of `SwinLayer.set_shift_and_window_size`: runs the layer's own method, then opens the
+    call's window scope from the clamped window and shift.
+
+    The layer calls it first in its forward, also when gradient checkpointing recomputes that forward during
+    backward, where module hooks do not run (transformers checkpoints `forward`, not `__call__`).
+    """
+
+    def __init__(self, block: nn.Module, hook: SwinLayerWindowHook) -> None:
+        self.block, self.hook = block, hook
+
+    def __call__(self, input_resolution: tuple[int, int]) -> None:
+        type(self.block).set_shift_and_window_size(self.block, input_resolution)
+        grid = (int(input_resolution[0]), int(input_resolution[1]))
+        window, shift = int(self.block.window_size), int(self.block.shift_size)
+        open_window_call(self.hook, PaddedShiftWindowCall(grid, (window, window), (shift, shift)))
+
+
+class SwinLayerWindowEnd:
+    """Forward hook (always called) on a `SwinLayer`: its window-call scope ends with it."""
+
+    def __init__(self, hook: SwinLayerWindowHook) -> None:
+        self.hook = hook
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        close_window_call(self.hook)
+
+
+class SwinCallShim:
+    """Forward pre-hook: `attention(windows, attention_mask, **kwargs)` -> `layer(windows, mask)`; a keyword that
+    asks for something the replacement cannot give (attention weights, ...) is an error naming it."""
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        x = args[0] if args else kwargs.pop("hidden_states")
+        mask = args[1] if len(args) > 1 else kwargs.pop("attention_mask", None)
+        asked = sorted(k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and v is not None and v is not False)
+        if asked or kwargs.get("output_attentions"):
+            raise TypeError(
+                f"{type(module).__name__} (patched by vca_patch) cannot apply the call argument(s) "
+                f"{', '.join(asked) or 'output_attentions'}: VCA has no per-window attention weights"
+            )
+        return (x, mask), {}
+
+
+class HFSwinAdapter(ModelAdapter):
+    """Converts transformers Swin window attention to `WindowedVCA`; see the module docstring."""
+
+    name = "hf-swin"
+
+    def __init__(self) -> None:
+        self._stages: dict[str, tuple[int, dict[str, Any]]] = {}  # site path -> (stage, report settings)
+        self._hooks: dict[str, SwinLayerWindowHook] = {}  # SwinLayer path -> its hook
+
+    @classmethod
+    def applies_to(cls, model: nn.Module) -> bool:
+        return type(model).__module__ in (_SWIN_MODULE, _SWINV2_MODULE)
+
+    def find_sites(self, model: nn.Module) -> tuple[list[AttentionSite], list[SkippedSite]]:
+        sites: list[AttentionSite] = []
+        skipped: list[SkippedSite] = []
+        if type(model).__module__ == _SWINV2_MODULE:
+            for path, module in model.named_modules():
+                if _SITE.search(path):
+                    skipped.append(SkippedSite(path, type(module).__name__, SWINV2_REASON))
+            return sites, skipped
+        last = len(model.config.depths) - 1
+        index = 0
+        for path, attn in model.named_modules():
+            match = _SITE.search(path)
+            if match is None or type(attn).__name__ != "SwinAttention":
+                continue
+            stage = int(match.group(1))
+            if stage == last and last > 0:
+                skipped.append(SkippedSite(path, type(attn).__name__, LAST_STAGE_REASON))
+            else:
+                block = model.get_submodule(path.rpartition(".")[0])
+                grid = tuple(int(g) for g in block.input_resolution)
+                window, _ = _window_and_shift(block, grid)
+                self._stages[path] = (stage, {"stage": stage, "grid": list(grid), "window": [window, window]})
+                notes = list(filter(None, [attention_dropout_note(attn)]))
+                dim = attn.q_proj.in_features
+                sites.append(AttentionSite(path, attn, index, dim, attn.num_attention_heads, notes))
+            index += 1
+        return sites, skipped
+
+    def embedding_module(self, model: nn.Module) -> nn.Module:
+        return next(m for m in model.modules() if type(m).__name__ in ("SwinEmbeddings", "Swinv2Embeddings"))
+
+    def layout_from_embedding(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> TokenLayout:
+        _, dims = output  # (tokens, (height, width)): stage 1's grid
+        return TokenLayout(0, (int(dims[0]), int(dims[1])))
+
+    def default_layout(self, model: nn.Module) -> TokenLayout | None:
+        size, patch = model.config.image_size, model.config.patch_size
+        size = (size, size) if isinstance(size, int) else tuple(size)
+        patch = (patch, patch) if isinstance(patch, int) else tuple(patch)
+        return TokenLayout(0, (size[0] // patch[0], size[1] // patch[1]))
+
+    def carry(self, site: AttentionSite) -> CarriedWindowAttention:
+        attn = site.module
+        stage, settings = self._stages[site.path]
+        bias = attn.relative_position_bias
+        return CarriedWindowAttention(
+            qkv=SplitQKV(attn), proj=attn.o_proj, proj_name="o_proj", num_heads=attn.num_attention_heads,
+            head_dim=attn.head_dim, stage=stage, settings=settings, bias_table=bias.relative_position_bias_table,
+            bias_index=bias.relative_position_index, bias_module=bias, bias_module_name="relative_position_bias",
+        )  # fmt: skip
+
+    def adapt_call(self, replacement: nn.Module, site: AttentionSite) -> None:
+        """The layer calls `attention(windows, mask)` as before; the replacement reads the grid from the
+        `SwinLayer`'s hook (installed with the layout tracker) and returns `(output, None)`."""
+        block_path = site.path.rpartition(".")[0]
+        hook = self._hooks.setdefault(block_path, SwinLayerWindowHook())
+        replacement.window_source = hook.current
+        replacement.register_forward_pre_hook(SwinCallShim(), with_kwargs=True)
+        replacement.register_forward_hook(TupleOutput())
+        if replacement.mode == "global" and GLOBAL_MODE_NOTE not in site.notes:
+            site.notes.append(GLOBAL_MODE_NOTE)
+
+    def install_layout_tracker(self, model: nn.Module):
+        tracker = super().install_layout_tracker(model)
+        for block_path, hook in self._hooks.items():
+            block = model.get_submodule(block_path)
+            block.register_forward_pre_hook(hook, with_kwargs=True)
+            block.register_forward_hook(SwinLayerWindowEnd(hook), always_call=True)
+            block.set_shift_and_window_size = RecordingClamp(block, hook)
+        return tracker
+
+    @staticmethod
+    def remove_layout_tracker(model: nn.Module) -> None:
+        ModelAdapter.remove_layout_tracker(model)
+        for module in model.modules():
+            if isinstance(module.__dict__.get("set_shift_and_window_size"), RecordingClamp):
+                del module.__dict__["set_shift_and_window_size"]
+            for key, hook in list(module._forward_pre_hooks.items()):
+                if isinstance(hook, SwinLayerWindowHook):
+                    close_window_call(hook)
+                    del module._forward_pre_hooks[key]
+                    module._forward_pre_hooks_with_kwargs.pop(key, None)
+            for key, hook in list(module._forward_hooks.items()):
+                if isinstance(hook, SwinLayerWindowEnd):
+                    del module._forward_hooks[key]
+                    module._forward_hooks_always_called.pop(key, None)
+
+    @torch.no_grad()
+    def verify(self, site: AttentionSite) -> AttentionSite:
+        """The module must equal window attention built from its q/k/v, bias table and o_proj, under a mask."""
+        module = site.module
+        weight = next(module.parameters())
+        if weight.is_meta:
+            return site
+        carried = self.carry(site)
+        if weight.dtype in (torch.float16, torch.bfloat16):  # checked in float32, on a copy
+            module, carried = copy.deepcopy((module, carried))
+            module.float()
+        window = module.relative_position_bias.window_area
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(2 * 3, window, site.dim, generator=generator).to(next(module.parameters()))
+        mask = torch.where(torch.rand(3, window, window, generator=generator) < 0.3, -100.0, 0.0).to(x)
+        was_training = module.training
+        module.eval()
+        try:
+            errors = []
+            for m in (None, mask):
+                expected = module(x, m)[0]
+                errors.append(float((reference_window_attention(carried, x, m) - expected).norm() / expected.norm()))
+        finally:
+            module.train(was_training)
+        error = max(errors)
+        site.verified = error < TOLERANCE
+        if not site.verified:
+            site.notes.append(f"reference window attention differs by {error:.2g} (relative)")
+        return site
+
+    def describe_base(self, model: nn.Module) -> dict[str, Any]:
+        return HFVisionAdapter.describe_base(self, model)
+
+    @classmethod
+    def create_base(cls, description: dict[str, Any]) -> nn.Module:
+        return HFVisionAdapter.create_base(description)
