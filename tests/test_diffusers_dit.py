@@ -136,7 +136,7 @@ def test_already_linear_attention_is_skipped():
         patch_model(sana, CONFIG)
 
 
-def test_sd3_joint_attention_is_skipped_and_image_self_attention_converted():
+def test_sd3_image_self_attention_converted():  # its joint attention: tests/test_diffusers_joint.py
     torch.manual_seed(0)
     sd3 = diffusers.SD3Transformer2DModel(
         sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
@@ -144,11 +144,8 @@ def test_sd3_joint_attention_is_skipped_and_image_self_attention_converted():
         pos_embed_max_size=16, dual_attention_layers=(0,),
     ).eval()  # fmt: skip
     report = patch_model(sd3, CONFIG)
-    assert [s.path for s in report.patched] == ["transformer_blocks.0.attn2"]
-    assert report.patched[0].verified is True
-    skipped = {s.path: s.reason for s in report.skipped}
-    assert set(skipped) == {"transformer_blocks.0.attn", "transformer_blocks.1.attn"}
-    assert all(reason.startswith("joint (image + text) attention") for reason in skipped.values())
+    assert "transformer_blocks.0.attn2" in [s.path for s in report.patched]
+    assert all(s.verified is True for s in report.patched) and report.skipped == []
     x = latent(1, 4, 16, 24)
     out = sd3(
         x, encoder_hidden_states=latent(1, 7, 24), pooled_projections=latent(1, 12), timestep=torch.tensor([5])

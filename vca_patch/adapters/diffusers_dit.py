@@ -1,10 +1,15 @@
-"""Diffusion transformers in diffusers (0.42 layout): DiT, PixArt-α/Σ, and SD3.5's image-only `attn2`.
+"""Diffusion transformers in diffusers (0.42 layout): DiT, PixArt-α/Σ, SD3/SD3.5 and Flux.
 
 Every `Attention` / `AttentionModuleMixin` module is classified:
 
 - **image self-attention** (DiT `attn1`, PixArt `attn1`, SD3.5 `attn2`): converted. The token grid comes from the
   patch embedding's input latent (H/p × W/p, any resolution and aspect ratio); no prefix tokens.
-- **joint attention** (image + text: SD3 `attn`, Flux): skipped, not supported yet.
+- **joint attention** (image + text: SD3/SD3.5 `attn`, `JointAttnProcessor2_0`): converted to
+  `JointVisualContrastAttention`; the text tokens are exact prefix tokens (they read all keys with softmax
+  attention, so the text stream's output is the original's; linear in N since the text length is fixed) and
+  keys of the image tokens. Flux double-stream blocks (`FluxAttnProcessor`, text first) likewise, with the rotary
+  embedding kept on every query and key and the contrast tokens pooled after rotation; Flux single-stream blocks
+  are skipped (not converted yet). Flux has no patch embedding: its grid comes from `img_ids` (`diffusers_flux`).
 - **cross-attention** (PixArt `attn2`, image → text): skipped; it already costs N·L, linear in N.
 - **already linear** (Sana's ReLU linear attention) and **unknown processors** (IP-Adapter, PAG, fused
   projections, custom): skipped, with the processor named.
@@ -23,14 +28,19 @@ from torch import nn
 
 from ..attention import CarriedAttention, TokenLayout
 from ..attention.fused_qkv import SplitQKV
-from .base import AttentionSite, ModelAdapter, SkippedSite
-from .diffusers_processor import NEW_PARAMETERS, CarriedLayerProcessor, new_members
+from ..attention.joint_vca import JointVisualContrastAttention
+from .base import AttentionSite, LayoutScopeEnd, LayoutTracker, ModelAdapter, SkippedSite
+from .diffusers_flux import FluxJointLayerProcessor, FluxLayoutHook, flux_verification_error, is_flux
+from .diffusers_joint import carry_joint, joint_structure_problem, joint_verification_error
+from .diffusers_processor import NEW_PARAMETERS, CarriedLayerProcessor, JointLayerProcessor, new_members
+from .verify import TOLERANCE
 
 # Model classes whose patched form `create_base` rebuilds from their diffusers config.
-ARCHITECTURES = ("DiTTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel")
+ARCHITECTURES = ("DiTTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel", "FluxTransformer2DModel")
 # Processors computing plain softmax attention over `to_q/to_k/to_v` (JointAttnProcessor2_0: only without
 # added text projections, where it is SD3.5's image-only self-attention).
 _SOFTMAX_PROCESSORS = ("AttnProcessor2_0", "AttnProcessor", "JointAttnProcessor2_0")
+_JOINT_PROCESSORS = ("JointAttnProcessor2_0", "FluxAttnProcessor")
 _LINEAR_PROCESSORS = (
     "SanaLinearAttnProcessor2_0",
     "PAGCFGSanaLinearAttnProcessor2_0",
@@ -68,11 +78,21 @@ def classify(module: nn.Module) -> tuple[str, str | None]:
     where = f"{type(processor).__module__}.{name}"
     if name in _LINEAR_PROCESSORS:
         return "linear", f"already linear attention ({name}): nothing to convert"
-    if getattr(module, "added_kv_proj_dim", None) is not None or getattr(module, "add_q_proj", None) is not None:
-        return "joint", "joint (image + text) attention: not supported yet; left as softmax attention"
-    if getattr(module, "is_cross_attention", False) or getattr(module, "only_cross_attention", False):
+    joint = getattr(module, "added_kv_proj_dim", None) is not None or getattr(module, "add_q_proj", None) is not None
+    if name == "FluxAttnProcessor" and not joint:
+        return "single", (
+            "Flux single-stream attention (one [text; image] sequence, no output projection inside the attention): "
+            "not converted yet; left as softmax attention"
+        )
+    if joint and name not in _JOINT_PROCESSORS:
+        return "unknown", (
+            f"joint (image + text) attention with processor {where}: only JointAttnProcessor2_0 (SD3/SD3.5) and "
+            "FluxAttnProcessor are converted; call model.set_default_attn_processor() first if it is a plain "
+            "softmax processor"
+        )
+    if not joint and (getattr(module, "is_cross_attention", False) or getattr(module, "only_cross_attention", False)):
         return "cross", "cross-attention (image -> text, already O(N·L)): left as it is"
-    if name not in _SOFTMAX_PROCESSORS:
+    if not joint and name not in _SOFTMAX_PROCESSORS:
         return "unknown", (
             f"unknown attention processor {where} (IP-Adapter, PAG, fused projections or custom): not converted; "
             "call model.set_default_attn_processor() first if it is a plain softmax processor"
@@ -95,6 +115,9 @@ def classify(module: nn.Module) -> tuple[str, str | None]:
     ]
     if unsupported:
         return "unknown", f"attention options the VCA processor does not apply: {', '.join(unsupported)}"
+    if joint:
+        problem = joint_structure_problem(module)
+        return ("unknown", f"joint attention: {problem}") if problem else ("joint", None)
     return "self", None
 
 
@@ -107,7 +130,7 @@ class DiffusersDiTAdapter(ModelAdapter):
     def applies_to(cls, model: nn.Module) -> bool:
         if not type(model).__module__.startswith("diffusers."):
             return False
-        return _patch_embedding(model) is not None
+        return _patch_embedding(model) is not None or is_flux(model)
 
     def find_sites(self, model: nn.Module) -> tuple[list[AttentionSite], list[SkippedSite]]:
         attention_types = _attention_types()
@@ -127,7 +150,24 @@ class DiffusersDiTAdapter(ModelAdapter):
         return sites, skipped
 
     def embedding_module(self, model: nn.Module) -> nn.Module:
-        return _patch_embedding(model)
+        return model.x_embedder if is_flux(model) else _patch_embedding(model)
+
+    def install_layout_tracker(self, model: nn.Module) -> LayoutTracker:
+        """Patch-embedding models: the base hook on `pos_embed`. Flux: a pre-hook reading `img_ids`."""
+        if not is_flux(model):
+            return super().install_layout_tracker(model)
+        tracker = LayoutTracker(self)
+        model.register_forward_pre_hook(FluxLayoutHook(tracker), with_kwargs=True)
+        model.register_forward_hook(LayoutScopeEnd(tracker), always_call=True)
+        return tracker
+
+    @staticmethod
+    def remove_layout_tracker(model: nn.Module) -> None:
+        ModelAdapter.remove_layout_tracker(model)
+        for key, hook in list(model._forward_pre_hooks.items()):
+            if isinstance(hook, FluxLayoutHook):
+                del model._forward_pre_hooks[key]
+                model._forward_pre_hooks_with_kwargs.pop(key, None)
 
     def layout_from_embedding(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> TokenLayout:
         latent = args[0] if args else kwargs["latent"]
@@ -140,13 +180,15 @@ class DiffusersDiTAdapter(ModelAdapter):
 
     def default_layout(self, model: nn.Module) -> TokenLayout | None:
         size = getattr(model.config, "sample_size", None)
-        if size is None:
+        if size is None or is_flux(model):
             return None
         height, width = (size, size) if isinstance(size, int) else tuple(size)
         return TokenLayout(0, _grid(self.embedding_module(model).proj, height, width))
 
     def carry(self, site: AttentionSite) -> CarriedAttention:
         attn = site.module
+        if classify(attn)[0] == "joint":
+            return carry_joint(attn)
         return CarriedAttention(
             qkv=SplitQKV(attn, _QKV),
             proj=attn.to_out[0],
@@ -156,6 +198,17 @@ class DiffusersDiTAdapter(ModelAdapter):
             k_norm=attn.norm_k if attn.norm_k is not None else nn.Identity(),
             proj_drop=attn.to_out[1] if len(attn.to_out) > 1 else nn.Identity(),
         )
+
+    def verify(self, site: AttentionSite) -> AttentionSite:
+        """Self-attention as for ViTs; joint attention: both output streams against a written-out reference."""
+        if classify(site.module)[0] != "joint":
+            return super().verify(site)
+        flux = type(site.module.processor).__name__ == "FluxAttnProcessor"
+        error = (flux_verification_error if flux else joint_verification_error)(site.module, carry_joint(site.module))
+        site.verified = None if error is None else error < TOLERANCE
+        if site.verified is False:
+            site.notes.append(f"reference joint softmax attention differs by {error:.2g} (relative)")
+        return site
 
     def adapt_call(self, replacement: nn.Module, site: AttentionSite) -> None:
         """Nothing: the processor (`install_replacement`) speaks diffusers' call convention."""
@@ -176,9 +229,18 @@ class DiffusersDiTAdapter(ModelAdapter):
         ):
             if present:
                 sources[member] = source
+        processor_type = CarriedLayerProcessor
+        if isinstance(layer, JointVisualContrastAttention):  # per-stream norms under their own names
+            sources.pop("q_norm", None)
+            sources.pop("k_norm", None)
+            sources.update({name: name for name in layer.stream_members()})
+            processor_type = JointLayerProcessor
+            if type(attn.processor).__name__ == "FluxAttnProcessor":
+                processor_type = FluxJointLayerProcessor
+                layer.__dict__["rotary_embed"] = model.pos_embed  # FluxPosEmbed (no tensors): centre rotations
         original = attn.processor
         attn.add_module(NEW_PARAMETERS, new_members(layer, attn))
-        attn.set_processor(CarriedLayerProcessor(layer, sources, original))
+        attn.set_processor(processor_type(layer, sources, original))
         return original
 
     def remove_replacement(self, model: nn.Module, path: str, original: Any) -> None:

@@ -7,6 +7,7 @@ lives on the processor, outside the module tree; its *new* parameters are regist
 the child `vca` (`NEW_PARAMETERS`), so they are saved, loaded, moved and trained with the model. Before every call
 the processor re-binds the layer to what the attention module holds then (parameters replaced by
 `load_state_dict(assign=True)`, a LoRA wrapper around `to_q`, a deep copy), so nothing is cached stale.
+`JointLayerProcessor` does the same for joint image + text attention (SD3), returning both streams.
 """
 
 from __future__ import annotations
@@ -91,3 +92,28 @@ class CarriedLayerProcessor:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.layer!r})"
+
+
+class JointLayerProcessor(CarriedLayerProcessor):
+    """Processor for a diffusers joint (image + text) attention whose softmax attention became a
+    `JointVisualContrastAttention`: `hidden_states` are the image tokens, `encoder_hidden_states` the text
+    tokens; returns (image output, text output) as `JointAttnProcessor2_0` does."""
+
+    def __call__(  # type: ignore[override]
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
+        layout: TokenLayout | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        owner = f"{type(self.layer).__name__} (patched into {type(attn).__name__} by vca_patch)"
+        if encoder_hidden_states is None:
+            raise TypeError(f"{owner} is a joint image + text attention; it needs encoder_hidden_states")
+        if attention_mask is not None:
+            raise ValueError(f"{owner} cannot apply an attention mask to linear attention")
+        if hidden_states.ndim != 3:
+            raise ValueError(f"{owner} takes [B, N, C] image tokens, got shape {tuple(hidden_states.shape)}")
+        self.bind(attn)
+        return self.layer(hidden_states, encoder_hidden_states, layout=layout)
