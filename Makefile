@@ -20,7 +20,7 @@ demo: install
 	HF_HUB_OFFLINE=1 vca-patch convert deit_tiny_patch16_224 --no-pretrained --output out/deit_tiny_vca --force
 
 test: install
-	HF_HUB_OFFLINE=1 VCA_PATCH_REQUIRE_CPU_KERNEL=1 $(PYTHON) -m pytest
+	HF_HUB_OFFLINE=1 VCA_PATCH_REQUIRE_CPU_KERNEL=1 $(PYTHON) -m pytest -n 2  # two workers, one torch thread each
 
 lint:
 	ruff check vca_patch tests

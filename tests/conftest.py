@@ -5,7 +5,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One thread per pytest-xdist worker (make test runs two), else up to two.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 
 @pytest.fixture(autouse=True)
