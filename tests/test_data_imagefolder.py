@@ -36,6 +36,6 @@ def test_imagefolder_split_with_timm_transforms(image_folder, augment):
 
 
 def test_missing_imagefolder_split_is_named(image_folder):
-    spec = DataSpec(kind="imagefolder", path=str(image_folder), eval_split="validation")
-    with pytest.raises(DatasetError, match="validation"):
-        build_dataset(spec, "validation", training=False, img_size=32)
+    spec = DataSpec(kind="imagefolder", path=str(image_folder), eval_split="holdout")
+    with pytest.raises(DatasetError, match="holdout"):
+        build_dataset(spec, "holdout", training=False, img_size=32)

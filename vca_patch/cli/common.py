@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -16,6 +17,8 @@ err_console = Console(stderr=True)
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from ..surgery import PatchReport
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEVICE_HELP = "auto (cuda if available, else cpu), cpu, cuda or cuda:N"
@@ -153,3 +156,25 @@ def load_base(name: str, *, pretrained: bool, weights: Path | None, img_size: in
         fail(f"--img-size: {name} does not take an image size ({exc})", 2)
     check_img_size(net, name, img_size)
     return net
+
+
+def warn_contrast_grid(report: PatchReport, model: str) -> None:
+    """Warn when a VCA layer pools more contrast tokens than its model's patch grid has (they would repeat patches,
+    not summarise them, and cost more than they save); names the grid and the largest n that fits it."""
+    layout = report.layout
+    if layout is None:  # hierarchical models: each stage has its own grid (and its own default n)
+        return
+    height, width = layout.grid
+    sizes = {s.settings["contrast_tokens"] for s in report.patched if "contrast_tokens" in s.settings}
+    too_big = sorted(n for n in sizes if math.isqrt(n) > min(height, width))
+    if not too_big:
+        return
+    side = min(height, width)
+    shown = ", ".join(f"{n} ({math.isqrt(n)}×{math.isqrt(n)})" for n in too_big)
+    err_console.print(
+        f"[bold yellow]warning:[/] {shown} contrast tokens do not fit {model}'s {height}×{width} patch grid: "
+        f"the extra tokens repeat patches instead of pooling them. Pass --contrast-tokens {side * side} "
+        f"({side}×{side}) or fewer, or a larger --img-size.",
+        highlight=False,
+        soft_wrap=True,
+    )

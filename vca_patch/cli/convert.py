@@ -26,6 +26,7 @@ from .common import (
     prepare_cpu_kernel,
     resolve_device,
     resolve_dtype,
+    warn_contrast_grid,
 )
 from .fidelity import calibrate_for_convert, summary_table
 from .report_view import sites_table, totals_table
@@ -76,7 +77,9 @@ def convert(
     calibration_data: Annotated[
         Path | None, typer.Option(help="VCA: calibrate on real images (idx folder, ImageFolder root, HF name)")
     ] = None,
-    calibration_kind: Annotated[str, typer.Option(help="fashion_mnist, imagefolder or hf")] = "imagefolder",
+    calibration_kind: Annotated[
+        str | None, typer.Option(help="fashion_mnist, imagefolder or hf (default: from --calibration-data)")
+    ] = None,
     calibration_images: Annotated[int, typer.Option(help="Images used to calibrate, and to measure")] = 256,
     force: Annotated[
         bool, typer.Option("--force", help="Replace a non-empty output folder as a whole (its other files are listed)")
@@ -159,6 +162,7 @@ def convert(
         except PatchError as exc:
             fail(str(exc))
         metrics = compare_outputs(reference, net(probe))
+    warn_contrast_grid(report, model)
     with console.status("Calibrating and measuring fidelity..."):
         fidelity_summary, measured_on = calibrate_for_convert(
             net, calibration_data, calibration_kind, calibration_images, probe

@@ -14,20 +14,31 @@ from .common import DEVICE_HELP, DTYPE_HELP, console, fail, resolve_device, reso
 KINDS = ("fashion_mnist", "imagefolder", "hf")
 
 
-def data_spec(kind: str, path: str | None, split: str, limit: int | None):
-    """A DataSpec for one evaluation split given on the command line."""
+def data_spec(kind: str | None, path: str | None, split: str, limit: int | None, option: str = "--data-kind"):
+    """A DataSpec for one evaluation split given on the command line; without `kind`, inferred from `path`."""
+    from ..data import DatasetError, infer_kind
     from ..train.recipe import DataSpec
 
+    if kind is None:
+        try:
+            kind = infer_kind(path)
+        except DatasetError as exc:
+            fail(str(exc), 2)
     if kind not in KINDS:
-        fail(f"--data-kind must be one of {', '.join(KINDS)}, got {kind!r}", 2)
+        fail(f"{option} must be one of {', '.join(KINDS)}, got {kind!r}", 2)
     return DataSpec(kind=kind, path=path, eval_split=split, eval_limit=limit)
 
 
 def fidelity(
     checkpoint: Annotated[Path, typer.Argument(help="A converted checkpoint folder (save_pretrained / convert)")],
     data: Annotated[str | None, typer.Option(help="Dataset: idx folder, ImageFolder root or HF dataset name")] = None,
-    data_kind: Annotated[str, typer.Option(help="fashion_mnist, imagefolder or hf")] = "fashion_mnist",
-    split: Annotated[str, typer.Option(help="Split to measure on (ImageFolder: sub-folder)")] = "test",
+    data_kind: Annotated[
+        str | None,
+        typer.Option(help="fashion_mnist, imagefolder or hf (default: from --data: idx files, a folder, or a name)"),
+    ] = None,
+    split: Annotated[
+        str, typer.Option(help="Split to measure on (ImageFolder: its sub-folder; val/test aliases; flat: held out)")
+    ] = "test",
     limit: Annotated[int, typer.Option(help="Images to measure on")] = 512,
     batch_size: Annotated[int, typer.Option(help="Batch size")] = 64,
     original: Annotated[
@@ -110,7 +121,7 @@ def summary_table(summary: dict[str, float], title: str = "Fidelity to the origi
     return table
 
 
-def calibrate_for_convert(net, data: Path | None, kind: str, images: int, probe) -> tuple[dict[str, float], str]:
+def calibrate_for_convert(net, data: Path | None, kind: str | None, images: int, probe) -> tuple[dict[str, float], str]:
     """Calibrate a freshly patched VCA model on `images` training images of `data` (when given) and
     measure it (on held-out images of the same data, else on `probe`). Returns (summary, where measured)."""
     import torch
@@ -127,11 +138,12 @@ def calibrate_for_convert(net, data: Path | None, kind: str, images: int, probe)
             return measure(None, net, [probe]).summary(), f"{len(probe)} random probe images"
     if not any(isinstance(m, VisualContrastAttention) for m in net.modules()):
         fail("--calibration-data applies to VCA conversions only", 2)
-    spec = data_spec(kind, str(data), "test", None)
+    spec = data_spec(kind, str(data), "test", None, "--calibration-kind")
     size = model_input_size(net)
     cfg = {**(getattr(net, "pretrained_cfg", None) or {}), "input_size": size}
     try:
-        train = build_dataset(spec, "train", training=False, img_size=size[1], model_cfg=cfg)
+        # training=True: the train split (spec.augment is "none": eval transforms), disjoint from the held-out one
+        train = build_dataset(spec, "train", training=True, img_size=size[1], model_cfg=cfg)
         held_out = build_dataset(spec, "test", training=False, img_size=size[1], model_cfg=cfg)
     except DatasetError as exc:
         fail(str(exc), 2)

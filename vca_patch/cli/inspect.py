@@ -9,7 +9,7 @@ import typer
 
 from ..config import ConfigError, VCAConfig
 from ..surgery import PatchError, inspect_model
-from .common import console, fail, load_base, parse_layers
+from .common import console, fail, load_base, parse_layers, warn_contrast_grid
 from .report_view import sites_table, totals_table
 
 
@@ -40,3 +40,4 @@ def inspect(
         fail(str(exc))
     console.print(sites_table(report, dry_run=True))
     console.print(totals_table(report))
+    warn_contrast_grid(report, model)

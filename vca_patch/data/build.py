@@ -10,6 +10,7 @@ from torch.utils.data import Dataset, Subset
 
 from .errors import DatasetError
 from .fashion_mnist import DEFAULT_ROOT, load_fashion_mnist
+from .imagefolder import load_imagefolder
 
 
 def _limit(dataset: Dataset, limit: int | None) -> Dataset:
@@ -56,17 +57,8 @@ def build_dataset(
     transform = _timm_transform(cfg, training, spec.augment)
     if spec.kind == "imagefolder":
         if not spec.path:
-            raise DatasetError("data.path must point at an ImageFolder root (with train/ and val/ folders)")
-        folder = Path(spec.path) / name
-        if not folder.is_dir():
-            raise DatasetError(f"ImageFolder split {folder} does not exist (data.path={spec.path!r}, split {name!r})")
-        from torchvision.datasets import ImageFolder
-
-        try:
-            dataset = ImageFolder(str(folder), transform=transform)
-        except (FileNotFoundError, OSError) as exc:
-            raise DatasetError(f"cannot read ImageFolder {folder}: {exc}") from exc
-        return _limit(dataset, limit)
+            raise DatasetError("data.path must point at an ImageFolder root (train/ and val/ folders, or classes)")
+        return _limit(load_imagefolder(spec.path, name, training=training, transform=transform), limit)
     if spec.kind == "hf":
         try:
             import datasets
@@ -80,6 +72,22 @@ def build_dataset(
             raise DatasetError(f"cannot load Hugging Face dataset {spec.path!r} split {name!r}: {exc}") from exc
         return _limit(HFImageDataset(hf_split, transform, spec.image_key, spec.label_key), limit)
     raise DatasetError(f"unknown data.kind {spec.kind!r}")
+
+
+def infer_kind(path: str | Path | None) -> str:
+    """The data kind of a path given without one: "fashion_mnist" for none or a folder of idx files,
+    "imagefolder" for another local folder, "hf" for a name that is no local path (a Hub dataset)."""
+    if path is None:
+        return "fashion_mnist"
+    folder = Path(path)
+    if folder.is_dir():
+        idx = any("idx" in f.name and "ubyte" in f.name for f in folder.iterdir() if f.is_file())
+        return "fashion_mnist" if idx else "imagefolder"
+    if folder.is_absolute() or str(path).startswith((".", "~")):
+        raise DatasetError(f"data folder {path} does not exist")
+    if folder.exists():
+        raise DatasetError(f"{path} is a file; pass a folder (idx files or an ImageFolder) or a dataset name")
+    return "hf"
 
 
 def mixup_fn(spec: Any, num_classes: int) -> Any | None:

@@ -1,0 +1,61 @@
+"""ImageFolder trees in any split layout: `root/<split>/<class>/*` (split names aliased), or a flat `root/<class>/*`
+held out deterministically."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import Dataset, Subset
+
+from .errors import DatasetError
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
+ALIASES = (("train", "training"), ("val", "validation", "valid", "test", "testing", "eval"))
+HOLDOUT_EVERY = 5  # flat folder: every 5th image (sorted by class, then path) is held out for evaluation
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def is_flat(root: Path) -> bool:
+    """`root/<class>/<image>`: some class folder directly holds an image file."""
+    return any(f.suffix.lower() in IMAGE_SUFFIXES for sub in _subfolders(root) for f in sub.iterdir() if f.is_file())
+
+
+def split_folder(root: Path, name: str) -> Path | None:
+    """`root/name`, else the one existing alias of it (val/validation/test..., train/training); None for a flat
+    folder; a DatasetError naming the sub-folders otherwise."""
+    if not root.is_dir():
+        raise DatasetError(f"ImageFolder root {root} does not exist")
+    if (root / name).is_dir():
+        return root / name
+    group = next((g for g in ALIASES if name in g), ())
+    found = [root / alias for alias in group if (root / alias).is_dir()]
+    if len(found) == 1:
+        return found[0]
+    if not found and is_flat(root):
+        return None
+    present = ", ".join(p.name for p in _subfolders(root)) or "none"
+    raise DatasetError(
+        f"ImageFolder {root} has no split {name!r} (its sub-folders: {present}); name the split to use "
+        "(--split, data.train_split / data.eval_split), or pass a folder of class sub-folders"
+    )
+
+
+def load_imagefolder(root: str | Path, name: str, *, training: bool, transform: Any) -> Dataset:
+    """Split `name` of an ImageFolder tree; in a flat folder, the training part (4 in 5 images) or the held-out
+    part (every 5th), so calibration or training never sees the images it is measured on."""
+    from torchvision.datasets import ImageFolder
+
+    root = Path(root)
+    folder = split_folder(root, name)
+    try:
+        dataset = ImageFolder(str(folder or root), transform=transform)
+    except (FileNotFoundError, OSError) as exc:
+        raise DatasetError(f"cannot read ImageFolder {folder or root}: {exc}") from exc
+    if folder is not None:
+        return dataset
+    indices = [i for i in range(len(dataset)) if (i % HOLDOUT_EVERY == 0) != training]
+    return Subset(dataset, indices)
