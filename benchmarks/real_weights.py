@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import vca_patch
-from vca_patch.bench.timing import median, time_interleaved
 from vca_patch.config import VCAConfig
 from vca_patch.data.fashion_mnist import load_fashion_mnist
 from vca_patch.real_weights import load_dinov2_small
 from vca_patch.real_weights.load import final_tokens
+from vca_patch.real_weights.measure import fidelity, latency, tokens
 from vca_patch.real_weights.photos import (
     CALIBRATION_PHOTOS,
     EVALUATION_PHOTOS,
@@ -111,26 +111,6 @@ def log(message: str) -> None:
     print(f"[{time.perf_counter() - _START:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-@torch.no_grad()
-def tokens(model: nn.Module, images: torch.Tensor, batch: int) -> torch.Tensor:
-    """Final token features [N, 1 + patches, C] (float64), in batches."""
-    return torch.cat([final_tokens(model, images[i : i + batch]).double() for i in range(0, len(images), batch)])
-
-
-def fidelity(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:
-    """Cosines to the original: CLS, each patch token (dense), the mean patch token; means/minima over images."""
-    cls = F.cosine_similarity(reference[:, 0], candidate[:, 0], dim=-1)
-    per_token = F.cosine_similarity(reference[:, 1:], candidate[:, 1:], dim=-1).mean(1)
-    pooled = F.cosine_similarity(reference[:, 1:].mean(1), candidate[:, 1:].mean(1), dim=-1)
-    return {
-        "cls_cosine": float(cls.mean()),
-        "cls_cosine_min": float(cls.min()),
-        "patch_token_cosine": float(per_token.mean()),
-        "patch_token_cosine_min": float(per_token.min()),
-        "mean_patch_cosine": float(pooled.mean()),
-    }
-
-
 def fashion_mnist(split: str, count: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(28 px images in [0, 1] [N, 1, 28, 28], labels); upsampled per batch in `probe_features`."""
     data = load_fashion_mnist(split, limit=count, img_size=28, normalize=False)
@@ -178,21 +158,6 @@ def convert(original: nn.Module, conversion: Conversion, calib: torch.Tensor, ba
     return model, record
 
 
-@torch.no_grad()
-def latency(models: dict[str, nn.Module], sizes: tuple[int, ...], repeats: int) -> dict[str, dict[int, dict]]:
-    """Batch-1 latency per model and size, all models interleaved per size; ratio to 'original'."""
-    out: dict[str, dict[int, dict]] = {name: {} for name in models}
-    for size in sizes:
-        x = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(size))
-        fns = {name: (lambda m=m, x=x: final_tokens(m, x)) for name, m in models.items()}
-        log(f"  latency at {size} px ({len(models)} models x {repeats} rounds)")
-        times = time_interleaved(fns, torch.device("cpu"), warmup=1, repeats=repeats)
-        base = median(times["original"])
-        for name, samples in times.items():
-            out[name][size] = {"ms": 1e3 * median(samples), "ratio": median(samples) / base, "samples": len(samples)}
-    return out
-
-
 def run(settings: Settings) -> dict[str, Any]:
     if settings.calibration > MAX_CALIBRATION:
         raise SystemExit(f"--calibration is at most {MAX_CALIBRATION} images, got {settings.calibration}")
@@ -231,7 +196,7 @@ def run(settings: Settings) -> dict[str, Any]:
         row["probe_original"] = float(original_probe.score(own_test, test_y.numpy()))
         rows.append(row)
         models[conversion.name] = model
-    timings = latency(models, settings.latency_sizes, settings.repeats)
+    timings = latency(models, settings.latency_sizes, settings.repeats, log)
     for row in rows:
         row["latency"] = {str(size): value for size, value in timings[row["name"]].items()}
     return {

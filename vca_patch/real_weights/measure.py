@@ -1,0 +1,58 @@
+"""Measuring a conversion of the real weights against the original: final-token fidelity and latency ratios.
+
+Shared by `benchmarks/real_weights.py` and `examples/dinov2_real_weights.py`, so both report the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..bench.timing import median, time_interleaved
+from .load import final_tokens
+
+
+@torch.no_grad()
+def tokens(model: nn.Module, images: torch.Tensor, batch: int) -> torch.Tensor:
+    """Final token features [N, 1 + patches, C] (float64), in batches."""
+    return torch.cat([final_tokens(model, images[i : i + batch]).double() for i in range(0, len(images), batch)])
+
+
+def fidelity(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:
+    """Cosines to the original: CLS, each patch token (dense), the mean patch token; means/minima over images."""
+    cls = F.cosine_similarity(reference[:, 0], candidate[:, 0], dim=-1)
+    per_token = F.cosine_similarity(reference[:, 1:], candidate[:, 1:], dim=-1).mean(1)
+    pooled = F.cosine_similarity(reference[:, 1:].mean(1), candidate[:, 1:].mean(1), dim=-1)
+    return {
+        "cls_cosine": float(cls.mean()),
+        "cls_cosine_min": float(cls.min()),
+        "patch_token_cosine": float(per_token.mean()),
+        "patch_token_cosine_min": float(per_token.min()),
+        "mean_patch_cosine": float(pooled.mean()),
+    }
+
+
+@torch.no_grad()
+def latency(
+    models: dict[str, nn.Module],
+    sizes: tuple[int, ...],
+    repeats: int,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, dict[int, dict]]:
+    """Batch-1 CPU latency per model and size, all models interleaved per size; ratio to the model 'original'."""
+    if "original" not in models:
+        raise ValueError(f"latency ratios need a model named 'original'; got {sorted(models)}")
+    out: dict[str, dict[int, dict]] = {name: {} for name in models}
+    for size in sizes:
+        x = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(size))
+        fns = {name: (lambda m=m, x=x: final_tokens(m, x)) for name, m in models.items()}
+        if log is not None:
+            log(f"  latency at {size} px ({len(models)} models x {repeats} rounds)")
+        times = time_interleaved(fns, torch.device("cpu"), warmup=1, repeats=repeats)
+        base = median(times["original"])
+        for name, samples in times.items():
+            out[name][size] = {"ms": 1e3 * median(samples), "ratio": median(samples) / base, "samples": len(samples)}
+    return out
