@@ -78,6 +78,19 @@ class TargetConfig:
         Default: none."""
         return {}
 
+    def check_stage_state(self, state: dict[str, Any]) -> None:
+        """Refuse a recipe stage's `target_state` this target cannot apply (default: any non-empty one)."""
+        if state:
+            raise ConfigError(
+                f"target {self.target!r} ({type(self).__name__}) has no per-stage state to switch; a recipe stage's "
+                f"target_state must be empty for it, got keys {sorted(state)}"
+            )
+
+    def apply_stage_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Put `model` (patched with this config) into `state` at a recipe stage's start (the recipe engine calls
+        this with the stage's `target_state`, merged over the earlier stages'). Default: only an empty state."""
+        self.check_stage_state(state)
+
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, **dataclasses.asdict(self)}
 

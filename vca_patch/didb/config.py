@@ -15,6 +15,7 @@ from .block import find_mlp
 from .rprelu import ImprovedRPReLU
 
 LINEARS = ("qkv", "proj", "fc1", "fc2")
+STAGE_KEYS = ("weights", "activations")  # what a recipe stage's target_state may switch (set_binarization)
 
 
 def _number(value: Any) -> bool:
@@ -123,6 +124,26 @@ class DIDBConfig(TargetConfig):
             dd = {"device": fc1.weight.device, "dtype": fc1.weight.dtype}
             edits[mlp.act] = ImprovedRPReLU(fc1.out_features, slope_init=self.rprelu_slope_init, **dd)
         return edits
+
+    def check_stage_state(self, state: dict[str, Any]) -> None:
+        """A stage's target_state may set `weights` and/or `activations` (true/false)."""
+        unknown = sorted(set(state) - set(STAGE_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"target 'didb': unknown target_state key {unknown[0]!r}; valid keys: {list(STAGE_KEYS)} "
+                "(binarise the Linears' weights / activations)"
+            )
+        for key, value in state.items():
+            if not isinstance(value, bool):
+                raise ConfigError(f"target 'didb': target_state.{key} must be true or false, got {value!r}")
+
+    def apply_stage_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Switch weight / activation binarisation (`set_binarization`) of `model` for a recipe stage."""
+        self.check_stage_state(state)
+        if state:
+            from .model import set_binarization  # model.py imports this module
+
+            set_binarization(model, **state)
 
     def layer_settings(self, layer: DIDBAttention) -> dict[str, Any]:
         return {

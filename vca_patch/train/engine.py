@@ -25,14 +25,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from ..config import ConfigError
 from ..io.atomic import atomic_write_text
 from ..recovery.calibrate import calibrate
+from ..surgery import get_patch_state
 from .checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, trainer_state
 from .evaluation import evaluate
 from .objective import RecoveryObjective
 from .optim import StageScheduler, stage_optimizer
 from .params import guard_lambdas, lambda_trace
-from .recipe import Recipe
+from .recipe import Recipe, RecipeError
 
 MIXED_PRECISION = {"auto": "auto", "no": "no", "bf16": "bf16", "fp16": "fp16"}
 _ALIASES = {"float32": "no", "fp32": "no", "none": "no", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
@@ -217,6 +219,40 @@ class _Progress:
             self.bar.stop()
 
 
+def _check_target_states(student: nn.Module, recipe: Recipe) -> None:
+    """Check every stage's `target_state` against the student's patch target (before any work)."""
+    patch = get_patch_state(student)
+    switching = [s.name for s in recipe.stages if s.target_state]
+    if patch is None:
+        if switching:
+            raise RecipeError(f"stage {switching[0]!r} sets target_state, but the student is not a patched model")
+        return
+    for stage in recipe.stages:
+        try:
+            patch.config.check_stage_state(stage.target_state)
+        except ConfigError as exc:
+            raise RecipeError(f"stage {stage.name!r}: {exc}") from None
+
+
+def stage_target_state(recipe: Recipe, stage_index: int) -> dict[str, Any]:
+    """The target state in force during stage `stage_index`: the stages' `target_state` up to it, later keys win."""
+    merged: dict[str, Any] = {}
+    for stage in recipe.stages[: stage_index + 1]:
+        merged.update(stage.target_state)
+    return merged
+
+
+def _apply_target_state(models: list[nn.Module], state: dict[str, Any]) -> None:
+    """Hand `state` to each patched model's target (the student and its EMA copy, which has its own config)."""
+    if not state:
+        return
+    for model in models:
+        patch = get_patch_state(model)
+        if patch is None:
+            raise RecipeError(f"target_state {state}: {type(model).__name__} is not a patched model")
+        patch.config.apply_stage_state(model, state)
+
+
 def _new_ema(student: nn.Module, decay: float) -> nn.Module:
     from timm.utils.model_ema import ModelEmaV3
 
@@ -253,6 +289,7 @@ def run_recipe(
 
     output = Path(output)
     tr = recipe.train
+    _check_target_states(student, recipe)  # a target_state the target cannot apply fails here, before any work
     accelerator = accelerator or make_accelerator(tr.mixed_precision, grad_accum=tr.grad_accum)
     _configure(accelerator, tr.grad_accum)
     device, world, main = accelerator.device, accelerator.num_processes, accelerator.is_main_process
@@ -308,6 +345,8 @@ def run_recipe(
     try:
         while stage_index < len(recipe.stages):
             stage = recipe.stages[stage_index]
+            target_state = stage_target_state(recipe, stage_index)  # also re-applied when resuming in this stage
+            _apply_target_state([student] + ([ema.module] if ema is not None else []), target_state)
             if stage.kind == "calibrate":
                 subset = Subset(train_set, range(min(stage.calibration_images, len(train_set))))
                 calib = [(x.to(device=device, dtype=dtype), y) for x, y in DataLoader(subset, batch_size=64)]
@@ -383,6 +422,8 @@ def run_recipe(
                         "images_per_s": window.throughput(),
                         "lambda": lambda_trace(student),
                     }
+                    if target_state:
+                        record["target_state"] = dict(target_state)
                     record.update(eval_now(student))
                     if ema is not None:
                         record["ema"] = {k: v for k, v in eval_now(ema.module).items() if k != "layer_error"}

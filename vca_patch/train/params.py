@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..attention import VisualContrastAttention
+from ..attention.carried_module import CarriesOriginal
 from ..attention.differential_lambda import DifferentialLambda
 from ..surgery import get_patch_state
 
@@ -15,19 +16,28 @@ GROUPS = ("new", "lambda", "carried", "rest")
 
 
 def parameter_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """{"new": parameters the target added (VCA, MANO, ...), "lambda": VCA's λ vectors, "carried": the original
-    attention's own parameters (q/k/v/proj and their norms), "rest": everything outside attention}, each a list
-    of (name, parameter). Carried parameters are recognised by identity with the original modules' parameters."""
+    """{"new": parameters the target added (VCA, MANO, DIDB, ...), "lambda": VCA's λ vectors, "carried": the
+    original modules' own parameters (attention q/k/v/proj and their norms; the weights a block edit carries, e.g.
+    DIDB's binarised fc1/fc2), "rest": everything else}, each a list of (name, parameter). Carried parameters are
+    recognised by identity with the replaced modules' parameters, or, in a block edit that carries its original
+    (`CarriesOriginal`), by its `carried_names`."""
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {g: [] for g in GROUPS}
     state = get_patch_state(model)
-    prefixes = [path + "." for path in state.originals] if state is not None else []
-    carried = {id(p) for original in (state.originals.values() if state else ()) for p in original.parameters()}
+    sites = [path + "." for path in state.originals] if state is not None else []
+    edits = {path + ".": model.get_submodule(path) for path in state.block_originals} if state is not None else {}
+    replaced = [*state.originals.values(), *state.block_originals.values()] if state is not None else []
+    carried = {id(p) for original in replaced if isinstance(original, nn.Module) for p in original.parameters()}
     for name, p in model.named_parameters():
-        prefix = next((v for v in prefixes if name.startswith(v)), None)
-        if prefix is None:
+        prefix = next((v for v in sites if name.startswith(v)), None)
+        edit = next((v for v in edits if name.startswith(v)), None) if prefix is None else None
+        if prefix is None and edit is None:
             groups["rest"].append((name, p))
         elif id(p) in carried:
             groups["carried"].append((name, p))
+        elif edit is not None:
+            module = edits[edit]
+            own = isinstance(module, CarriesOriginal) and name[len(edit) :] in module.carried_names
+            groups["carried" if own else "new"].append((name, p))
         elif name[len(prefix) :].startswith(("lambda1.", "lambda2.")):
             groups["lambda"].append((name, p))
         else:

@@ -6,6 +6,8 @@ Unknown keys and wrong types are errors that name the key and list the valid one
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -69,6 +71,9 @@ class StageSpec:
     head; plus cross-entropy on labels when label_weight > 0).
     lr: the new VCA parameters; lambda_lr: the λ vectors; carried_lr: q/k/v/proj (0 = frozen);
     rest_lr: everything outside attention (distill only; 0 = frozen).
+    target_state: settings of the patch target switched at this stage's start and kept by later stages until one
+    changes them (JSON-safe; the target's `apply_stage_state` validates them, e.g. DIDB's
+    {"weights": false, "activations": true}); empty: leave the target as it is.
     """
 
     name: str
@@ -84,6 +89,7 @@ class StageSpec:
     kd_temperature: float = 1.0
     label_weight: float = 0.0
     calibration_images: int = 256
+    target_state: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -111,6 +117,19 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
 
 
+# YAML 1.2 reads `3e-3` and `1e4` as numbers; PyYAML (YAML 1.1) needs a dot (`3.0e-3`) and returns a string.
+_EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _number(value: Any) -> float | None:
+    """A finite number from a YAML value (a number, or a string in exponent notation); None for anything else."""
+    if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
 def _convert(value: Any, tp: Any, where: str) -> Any:
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -129,6 +148,12 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         if value not in get_args(tp):
             raise RecipeError(f"{where}: expected {_type_name(tp)}, got {value!r}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise RecipeError(f"{where}: expected a mapping with string keys, got {value!r}")
+        for key, item in value.items():
+            _check_json_safe(item, f"{where}.{key}")
+        return dict(value)
     if origin is list:
         if not isinstance(value, list):
             raise RecipeError(f"{where}: expected a list, got {value!r}")
@@ -137,18 +162,43 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        number = _number(value)
+        if number is None:
             raise RecipeError(f"{where}: expected a number, got {value!r}")
-        return float(value)
+        return number
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        number = _number(value) if isinstance(value, str) else None  # `1e4`; never 2.0 or true
+        if number is None or number != int(number):
             raise RecipeError(f"{where}: expected an integer, got {value!r}")
-        return value
+        return int(number)
     if tp is bool or tp is str:
         if not isinstance(value, tp):
             raise RecipeError(f"{where}: expected {tp.__name__}, got {value!r}")
         return value
     return value
+
+
+def _check_json_safe(value: Any, where: str) -> None:
+    """Refuse what JSON/YAML cannot hold as plain data (a recipe is written to metrics.json and checkpoints)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise RecipeError(f"{where}: expected a finite number, got {value!r}")
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json_safe(item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        for key, item in value.items():
+            _check_json_safe(item, f"{where}.{key}")
+        return
+    raise RecipeError(
+        f"{where}: expected JSON-safe data (null, booleans, numbers, strings, lists, mappings), got {value!r}"
+    )
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
