@@ -18,6 +18,7 @@ from ..attention import TokenLayout
 from ..attention.q_kv_view import QAndKV
 from ..attention.staged_carry import CarriedReductionAttention
 from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
+from .timm_base import create_timm_base, describe_timm_base
 from .verify import TOLERANCE
 
 _RECORDED_ARGS = ("num_classes", "global_pool")
@@ -146,23 +147,10 @@ class TimmPVTAdapter(ModelAdapter):
         return site
 
     def describe_base(self, model: nn.Module) -> dict[str, Any]:
-        cfg = dict(getattr(model, "pretrained_cfg", None) or {})
         args = {key: getattr(model, key) for key in _RECORDED_ARGS if hasattr(model, key)}
         args["in_chans"] = model.patch_embed.proj.in_channels
-        return {
-            "library": "timm",
-            "architecture": cfg.get("architecture") or type(model).__name__,
-            "pretrained_tag": cfg.get("tag"),
-            "hf_hub_id": cfg.get("hf_hub_id"),
-            "license": cfg.get("license"),
-            "model_args": args,
-        }
+        return describe_timm_base(model, args)
 
     @classmethod
     def create_base(cls, description: dict[str, Any]) -> nn.Module:
-        import timm
-
-        name = description["architecture"]
-        if description.get("pretrained_tag"):
-            name = f"{name}.{description['pretrained_tag']}"
-        return timm.create_model(name, pretrained=False, **description.get("model_args", {}))
+        return create_timm_base(description)

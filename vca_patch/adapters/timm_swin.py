@@ -20,6 +20,7 @@ from ..attention import TokenLayout
 from ..attention.staged_carry import CarriedWindowAttention
 from ..attention.window_call import WindowCall, close_window_call, current_window_call, open_window_call
 from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
+from .timm_base import create_timm_base, describe_timm_base
 from .verify import TOLERANCE
 
 _RECORDED_ARGS = ("num_classes", "global_pool")
@@ -173,27 +174,14 @@ class TimmSwinAdapter(ModelAdapter):
         return site
 
     def describe_base(self, model: nn.Module) -> dict[str, Any]:
-        cfg = dict(getattr(model, "pretrained_cfg", None) or {})
         args = {key: getattr(model, key) for key in _RECORDED_ARGS if hasattr(model, key)}
         embed = model.patch_embed
         args["img_size"] = list(embed.img_size)
         args["in_chans"] = embed.proj.in_channels
         if getattr(embed, "dynamic_img_size", False):
             args["dynamic_img_size"] = True
-        return {
-            "library": "timm",
-            "architecture": cfg.get("architecture") or type(model).__name__,
-            "pretrained_tag": cfg.get("tag"),
-            "hf_hub_id": cfg.get("hf_hub_id"),
-            "license": cfg.get("license"),
-            "model_args": args,
-        }
+        return describe_timm_base(model, args)
 
     @classmethod
     def create_base(cls, description: dict[str, Any]) -> nn.Module:
-        import timm
-
-        name = description["architecture"]
-        if description.get("pretrained_tag"):
-            name = f"{name}.{description['pretrained_tag']}"
-        return timm.create_model(name, pretrained=False, **description.get("model_args", {}))
+        return create_timm_base(description)

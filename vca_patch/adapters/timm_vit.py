@@ -12,6 +12,7 @@ from ..attention import CarriedAttention, TokenLayout
 from ..attention.fused_qkv import FusedQKVView, QKVWithSeparateBias, SplitQKV
 from .base import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite, attention_dropout_note
 from .call_shims import TokensOnly
+from .timm_base import create_timm_base, describe_timm_base
 
 _BLOCK_INDEX = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
 # Constructor arguments recorded so the same base model can be rebuilt.
@@ -159,7 +160,6 @@ class TimmViTAdapter(ModelAdapter):
         return super().verify(site)
 
     def describe_base(self, model: nn.Module) -> dict[str, Any]:
-        cfg = dict(getattr(model, "pretrained_cfg", None) or {})
         args = {key: getattr(model, key) for key in _RECORDED_ARGS if hasattr(model, key)}
         embed = model.patch_embed
         if getattr(embed, "dynamic_img_pad", False):
@@ -168,20 +168,8 @@ class TimmViTAdapter(ModelAdapter):
             args["img_size"] = list(embed.img_size)
         if hasattr(embed, "proj") and hasattr(embed.proj, "in_channels"):
             args["in_chans"] = embed.proj.in_channels
-        return {
-            "library": "timm",
-            "architecture": cfg.get("architecture") or type(model).__name__,
-            "pretrained_tag": cfg.get("tag"),
-            "hf_hub_id": cfg.get("hf_hub_id"),
-            "license": cfg.get("license"),
-            "model_args": args,
-        }
+        return describe_timm_base(model, args)
 
     @classmethod
     def create_base(cls, description: dict[str, Any]) -> nn.Module:
-        import timm
-
-        name = description["architecture"]
-        if description.get("pretrained_tag"):
-            name = f"{name}.{description['pretrained_tag']}"
-        return timm.create_model(name, pretrained=False, **description.get("model_args", {}))
+        return create_timm_base(description)
