@@ -21,6 +21,7 @@ from ..attention.layout import open_scope
 from .base import LayoutTracker
 from .diffusers_joint import _relative, reference_joint_attention
 from .diffusers_processor import CarriedLayerProcessor
+from .verify import float32_copy
 
 FLUX_MODELS = ("FluxTransformer2DModel",)
 
@@ -95,12 +96,8 @@ def flux_verification_error(attn: nn.Module, carried: CarriedJointAttention) -> 
     weight = next(attn.parameters())
     if weight.is_meta:
         return None
-    if weight.dtype in (torch.float16, torch.bfloat16):
-        import copy
-
-        attn, carried = copy.deepcopy((attn, carried))
-        attn.float()
-        weight = next(attn.parameters())
+    attn, carried = float32_copy(attn, carried)  # checked in float32
+    weight = next(attn.parameters())
     generator = torch.Generator().manual_seed(0)
     image = torch.randn(2, 17, carried.dim, generator=generator).to(weight)
     text = torch.randn(2, 5, carried.add_q_proj.in_features, generator=generator).to(weight)

@@ -8,13 +8,12 @@ with a softmax attention written out from the carried weights, in the model's to
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
 from ..attention.fused_qkv import SplitQKV
 from ..attention.joint_vca import CarriedJointAttention
+from .verify import float32_copy
 
 _QKV = ("to_q", "to_k", "to_v")
 _TEXT_QKV = ("add_q_proj", "add_k_proj", "add_v_proj")
@@ -104,10 +103,8 @@ def joint_verification_error(attn: nn.Module, carried: CarriedJointAttention) ->
     weight = next(attn.parameters())
     if weight.is_meta:
         return None
-    if weight.dtype in (torch.float16, torch.bfloat16):
-        attn, carried = copy.deepcopy((attn, carried))  # one copy: shared submodules stay shared
-        attn.float()
-        weight = next(attn.parameters())
+    attn, carried = float32_copy(attn, carried)  # checked in float32
+    weight = next(attn.parameters())
     generator = torch.Generator().manual_seed(0)
     image = torch.randn(2, 17, carried.dim, generator=generator).to(weight)
     text = torch.randn(2, 5, carried.add_q_proj.in_features, generator=generator).to(weight)

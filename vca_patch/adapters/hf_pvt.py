@@ -10,7 +10,6 @@ skipped (already linear), and so is PVT v1 (`PvtModel`), with its reason.
 
 from __future__ import annotations
 
-import copy
 import re
 from typing import Any
 
@@ -23,7 +22,7 @@ from ..attention.staged_carry import CarriedReductionAttention
 from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
 from .hf_vision import HFVisionAdapter
 from .timm_pvt import LINEAR_ATTENTION_REASON, reference_reduction_attention
-from .verify import TOLERANCE
+from .verify import TOLERANCE, float32_copy
 
 _V2_MODULE = "transformers.models.pvt_v2.modeling_pvt_v2"
 _V1_MODULE = "transformers.models.pvt.modeling_pvt"
@@ -163,9 +162,7 @@ class HFPvtAdapter(ModelAdapter):
         carried = self.carry(site)
         ratio = max(module.spatial_reduction_ratio, 2)
         grid = (2 * ratio, 3 * ratio)
-        if weight.dtype in (torch.float16, torch.bfloat16):  # checked in float32, on a copy
-            module, carried = copy.deepcopy((module, carried))
-            module.float()
+        module, carried = float32_copy(module, carried)  # checked in float32
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(2, grid[0] * grid[1], site.dim, generator=generator).to(next(module.parameters()))
         was_training = module.training

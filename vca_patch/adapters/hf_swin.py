@@ -14,7 +14,6 @@ mask dropped). The last stage stays window softmax attention; Swinv2 is skipped 
 
 from __future__ import annotations
 
-import copy
 import re
 from typing import Any
 
@@ -30,7 +29,7 @@ from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_no
 from .call_shims import TupleOutput
 from .hf_vision import HFVisionAdapter
 from .timm_swin import GLOBAL_MODE_NOTE, LAST_STAGE_REASON, reference_window_attention
-from .verify import TOLERANCE
+from .verify import TOLERANCE, float32_copy
 
 _SWIN_MODULE = "transformers.models.swin.modeling_swin"
 _SWINV2_MODULE = "transformers.models.swinv2.modeling_swinv2"
@@ -241,9 +240,7 @@ class HFSwinAdapter(ModelAdapter):
         if weight.is_meta:
             return site
         carried = self.carry(site)
-        if weight.dtype in (torch.float16, torch.bfloat16):  # checked in float32, on a copy
-            module, carried = copy.deepcopy((module, carried))
-            module.float()
+        module, carried = float32_copy(module, carried)  # checked in float32
         window = module.relative_position_bias.window_area
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(2 * 3, window, site.dim, generator=generator).to(next(module.parameters()))

@@ -7,7 +7,6 @@ is already linear (keys pooled to 7×7) and is skipped.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ from ..attention.q_kv_view import QAndKV
 from ..attention.staged_carry import CarriedReductionAttention
 from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
 from .timm_base import create_timm_base, describe_timm_base
-from .verify import TOLERANCE
+from .verify import TOLERANCE, float32_copy
 
 _RECORDED_ARGS = ("num_classes", "global_pool")
 LINEAR_ATTENTION_REASON = "linear attention already (keys pooled to 7x7): nothing for VCA to make linear"
@@ -129,9 +128,7 @@ class TimmPVTAdapter(ModelAdapter):
         carried = self.carry(site)
         ratio = max(carried.sr.stride[0] if carried.sr is not None else 1, 2)
         grid = (2 * ratio, 3 * ratio)  # not square: a transposed grid would show
-        if weight.dtype in (torch.float16, torch.bfloat16):  # checked in float32, on a copy (as `verify`)
-            module, carried = copy.deepcopy((module, carried))
-            module.float()
+        module, carried = float32_copy(module, carried)  # checked in float32
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(2, grid[0] * grid[1], site.dim, generator=generator).to(next(module.parameters()))
         was_training = module.training

@@ -10,7 +10,6 @@ dropped: approximate). λ_init follows the global block index over all stages.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ from ..attention.staged_carry import CarriedWindowAttention
 from ..attention.window_call import WindowCall, close_window_call, current_window_call, open_window_call
 from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
 from .timm_base import create_timm_base, describe_timm_base
-from .verify import TOLERANCE
+from .verify import TOLERANCE, float32_copy
 
 _RECORDED_ARGS = ("num_classes", "global_pool")
 LAST_STAGE_REASON = "last stage stays window attention (the paper's placement: VCA in stages 1-3)"
@@ -151,9 +150,7 @@ class TimmSwinAdapter(ModelAdapter):
         if weight.is_meta:
             return site
         carried = self.carry(site)
-        if weight.dtype in (torch.float16, torch.bfloat16):  # checked in float32, on a copy (as `verify`)
-            module, carried = copy.deepcopy((module, carried))
-            module.float()
+        module, carried = float32_copy(module, carried)  # checked in float32
         window = module.window_area
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(2 * 3, window, site.dim, generator=generator).to(next(module.parameters()))

@@ -26,6 +26,15 @@ def reference_softmax_attention(carried: CarriedAttention, x: torch.Tensor) -> t
     return carried.proj(out)
 
 
+def float32_copy(module: nn.Module, carried: CarriedAttention) -> tuple[nn.Module, CarriedAttention]:
+    """A half-precision module (and the carried modules it shares) as one float32 copy, for verification; a
+    float32/float64 module as it is. Verifying in float32 judges structure, not bf16/fp16 rounding."""
+    if next(module.parameters()).dtype not in (torch.float16, torch.bfloat16):
+        return module, carried
+    module, carried = copy.deepcopy((module, carried))  # one copy: shared submodules stay shared
+    return module.float(), carried
+
+
 @torch.no_grad()
 def verification_error(
     module: nn.Module, carried: CarriedAttention, call: Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -38,10 +47,8 @@ def verification_error(
     weight = next(module.parameters())
     if weight.is_meta:
         return None
-    if weight.dtype in (torch.float16, torch.bfloat16):
-        module, carried = copy.deepcopy((module, carried))  # one copy: shared submodules stay shared
-        module.float()
-        weight = next(module.parameters())
+    module, carried = float32_copy(module, carried)
+    weight = next(module.parameters())
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, 1 + 4 * 4, carried.dim, generator=generator).to(weight)
     was_training = module.training
