@@ -52,6 +52,23 @@ def attention_dropout_note(module: nn.Module) -> str | None:
     return None
 
 
+def remove_hooks(model: nn.Module, hook_types: tuple[type, ...], *, pre: bool = False) -> list[Any]:
+    """Remove every forward hook (`pre`: forward pre-hook) of `hook_types` from the model's modules; the hooks."""
+    removed = []
+    for module in model.modules():
+        hooks = module._forward_pre_hooks if pre else module._forward_hooks
+        for key, hook in list(hooks.items()):
+            if isinstance(hook, hook_types):
+                del hooks[key]
+                if pre:
+                    module._forward_pre_hooks_with_kwargs.pop(key, None)
+                else:
+                    module._forward_hooks_with_kwargs.pop(key, None)
+                    module._forward_hooks_always_called.pop(key, None)
+                removed.append(hook)
+    return removed
+
+
 class LayoutTracker:
     """The token layout of a patched model's current forward call (see `attention.layout`).
 
@@ -173,10 +190,5 @@ class ModelAdapter(ABC):
 
     @staticmethod
     def remove_layout_tracker(model: nn.Module) -> None:
-        for module in model.modules():
-            for key, hook in list(module._forward_hooks.items()):
-                if isinstance(hook, (LayoutTracker, LayoutScopeEnd)):
-                    close_scope(hook.tracker if isinstance(hook, LayoutScopeEnd) else hook)
-                    del module._forward_hooks[key]
-                    module._forward_hooks_with_kwargs.pop(key, None)
-                    module._forward_hooks_always_called.pop(key, None)
+        for hook in remove_hooks(model, (LayoutTracker, LayoutScopeEnd)):
+            close_scope(hook.tracker if isinstance(hook, LayoutScopeEnd) else hook)

@@ -29,7 +29,7 @@ from torch import nn
 from ..attention import CarriedAttention, TokenLayout
 from ..attention.fused_qkv import SplitQKV
 from ..attention.joint_vca import JointVisualContrastAttention
-from .base import AttentionSite, LayoutScopeEnd, LayoutTracker, ModelAdapter, SkippedSite
+from .base import AttentionSite, LayoutScopeEnd, LayoutTracker, ModelAdapter, SkippedSite, remove_hooks
 from .diffusers_flux import FluxJointLayerProcessor, FluxLayoutHook, flux_verification_error, is_flux
 from .diffusers_joint import carry_joint, joint_structure_problem, joint_verification_error
 from .diffusers_processor import NEW_PARAMETERS, CarriedLayerProcessor, JointLayerProcessor, new_members
@@ -164,10 +164,7 @@ class DiffusersDiTAdapter(ModelAdapter):
     @staticmethod
     def remove_layout_tracker(model: nn.Module) -> None:
         ModelAdapter.remove_layout_tracker(model)
-        for key, hook in list(model._forward_pre_hooks.items()):
-            if isinstance(hook, FluxLayoutHook):
-                del model._forward_pre_hooks[key]
-                model._forward_pre_hooks_with_kwargs.pop(key, None)
+        remove_hooks(model, (FluxLayoutHook,), pre=True)
 
     def layout_from_embedding(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> TokenLayout:
         latent = args[0] if args else kwargs["latent"]

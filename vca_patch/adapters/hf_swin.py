@@ -25,7 +25,7 @@ from ..attention.fused_qkv import SplitQKV
 from ..attention.staged_carry import CarriedWindowAttention
 from ..attention.window_call import WindowCall, close_window_call, current_window_call, open_window_call
 from ..attention.windows import pad_grid, window_merge, window_partition
-from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
+from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note, remove_hooks
 from .call_shims import TupleOutput
 from .hf_vision import HFVisionAdapter
 from .timm_swin import GLOBAL_MODE_NOTE, LAST_STAGE_REASON, reference_window_attention
@@ -222,15 +222,9 @@ class HFSwinAdapter(ModelAdapter):
         for module in model.modules():
             if isinstance(module.__dict__.get("set_shift_and_window_size"), RecordingClamp):
                 del module.__dict__["set_shift_and_window_size"]
-            for key, hook in list(module._forward_pre_hooks.items()):
-                if isinstance(hook, SwinLayerWindowHook):
-                    close_window_call(hook)
-                    del module._forward_pre_hooks[key]
-                    module._forward_pre_hooks_with_kwargs.pop(key, None)
-            for key, hook in list(module._forward_hooks.items()):
-                if isinstance(hook, SwinLayerWindowEnd):
-                    del module._forward_hooks[key]
-                    module._forward_hooks_always_called.pop(key, None)
+        for hook in remove_hooks(model, (SwinLayerWindowHook,), pre=True):
+            close_window_call(hook)
+        remove_hooks(model, (SwinLayerWindowEnd,))
 
     @torch.no_grad()
     def verify(self, site: AttentionSite) -> AttentionSite:

@@ -18,7 +18,7 @@ from torch import nn
 from ..attention import TokenLayout
 from ..attention.staged_carry import CarriedWindowAttention
 from ..attention.window_call import WindowCall, close_window_call, current_window_call, open_window_call
-from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
+from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note, remove_hooks
 from .timm_base import create_timm_base, describe_timm_base
 from .verify import TOLERANCE, float32_copy
 
@@ -132,15 +132,9 @@ class TimmSwinAdapter(ModelAdapter):
     @staticmethod
     def remove_layout_tracker(model: nn.Module) -> None:
         ModelAdapter.remove_layout_tracker(model)
-        for module in model.modules():
-            for key, hook in list(module._forward_pre_hooks.items()):
-                if isinstance(hook, BlockWindowHook):
-                    close_window_call(hook)
-                    del module._forward_pre_hooks[key]
-            for key, hook in list(module._forward_hooks.items()):
-                if isinstance(hook, BlockWindowEnd):
-                    del module._forward_hooks[key]
-                    module._forward_hooks_always_called.pop(key, None)
+        for hook in remove_hooks(model, (BlockWindowHook,), pre=True):
+            close_window_call(hook)
+        remove_hooks(model, (BlockWindowEnd,))
 
     @torch.no_grad()
     def verify(self, site: AttentionSite) -> AttentionSite:
