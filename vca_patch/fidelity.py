@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .adapters.call_shims import attention_output, call_tokens
+from .attention import TokenLayout
 
 
 def model_input_size(model: nn.Module) -> tuple[int, int, int]:
@@ -230,10 +231,11 @@ def fidelity(original: nn.Module | None, patched: nn.Module, batches: Iterable) 
             ref_feat = ref_feat.to(device)  # a separate original may live elsewhere
             ref_logits = ref_logits.to(device) if ref_logits is not None else None
             free: dict[str, torch.Tensor] = {}
+            layouts: list[TokenLayout] = []  # the layout belongs to this forward: read inside it
 
-            def free_hook(module, args, output, path=None, store=free):
+            def free_hook(module, args, output, path=None, store=free, seen=layouts):
                 store[path] = attention_output(output)
-                store["layout"] = state_tracker.current()  # the layout belongs to this forward: read it inside
+                seen.append(state_tracker.current())
 
             handles = [
                 patched.get_submodule(p).register_forward_hook(functools.partial(free_hook, path=p)) for p in paths
@@ -243,7 +245,7 @@ def fidelity(original: nn.Module | None, patched: nn.Module, batches: Iterable) 
             finally:
                 for h in handles:
                     h.remove()
-            layout = free.pop("layout")
+            layout = layouts[-1]
             for p in paths:
                 ref_in, ref_out = to_model(captured[p][0], patched), captured[p][1].to(device)
                 errors[p].add(attention_output(patched.get_submodule(p)(ref_in, layout=layout)), ref_out)
