@@ -177,3 +177,29 @@ def test_vca_on_the_vision_tower_composes_with_spatial_tokens_in_either_order():
     unpatch_model(sp_first.model.vision_tower)
     unpatch_model(vca_first.model.vision_tower)
     assert torch.equal(_logits(sp_first, 144), original) and torch.equal(_logits(vca_first, 144), original)
+
+
+@pytest.mark.parametrize("root", ["vision_tower", "whole model"])
+def test_save_reload_keeps_a_vca_vision_tower_with_its_trained_tensors(tmp_path, root):
+    import json
+
+    model = tiny_llava()
+    report = patch_model(model.model.vision_tower if root == "vision_tower" else model, VCAConfig(contrast_tokens=4))
+    assert len(report.patched) == 2
+    add_spatial_tokens(model)
+    with torch.no_grad():  # "trained" VCA tensors: a fresh patch on reload would not reproduce them
+        for name, p in model.named_parameters():
+            if "lambda" in name or "contrast_embed" in name or "spatial_tokens" in name:
+                p.add_(0.05 * torch.randn_like(p))
+    reference = _logits(model, 150)
+    folder = save_spatial_tokens(model, tmp_path / "sp")
+    meta = json.loads((folder / "spatial_tokens.json").read_text())
+    assert [r["path"] for r in meta["vision_patch"]] == ["model.vision_tower" if root == "vision_tower" else ""]
+    loaded = load_spatial_tokens(folder)
+    assert type(loaded.model.vision_tower.encoder.layers[1].self_attn).__name__ == "VisualContrastAttention"
+    assert torch.equal(_logits(loaded, 150), reference)
+    # a record that no longer matches what re-patching gives is refused, naming both
+    meta["vision_patch"][0]["layers"].popitem()
+    (folder / "spatial_tokens.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"re-applying the saved vca patch .* gave layers .* but the checkpoint has"):
+        load_spatial_tokens(folder)

@@ -22,7 +22,10 @@ def push(
         str | None, typer.Option(help="Hub token (default: HF_TOKEN or `hf auth login`)", show_default=False)
     ] = None,
 ) -> None:
-    """Push DIRECTORY to the Hub as REPO_ID: config.json, weights and a generated model card."""
+    """Push DIRECTORY to the Hub as REPO_ID: config.json, weights and a generated model card.
+
+    A LLaVA-SP folder (`convert --to llava-sp`) goes up whole: model, spatial tokens, processor and card.
+    """
     try:
         with console.status(f"Pushing {directory} to {repo_id}..."):
             url = push_to_hub(

@@ -29,15 +29,26 @@ def from_pretrained(
     `revision`: a branch, tag or commit); a cached repo loads offline. Delta checkpoints also fetch
     the Hub base weights their config.json names, or take `base_weights` (a local file or
     "org/name@revision") / `base_state_dict` from the caller; a local path written in config.json is never
-    followed by itself.
+    followed by itself. A LLaVA-SP folder or repo (spatial_tokens.json) loads with its spatial tokens.
     """
+    from ..spatial_tokens.hub import fetch_spatial_folder, is_spatial_folder, load_spatial_folder
+
     base = {"base_weights": base_weights, "base_state_dict": base_state_dict}
     if is_local(repo_id_or_dir):
         if revision is not None:
             raise ValueError(f"revision={revision!r} applies to Hub repos; {repo_id_or_dir} is a local folder")
+        if is_spatial_folder(repo_id_or_dir) and base_weights is None and base_state_dict is None:
+            return load_spatial_folder(Path(repo_id_or_dir).expanduser(), device)  # a LLaVA-SP folder
         return checkpoint.from_pretrained(Path(repo_id_or_dir).expanduser(), device=device, **base)
     try:
         folder, _ = fetch_checkpoint(str(repo_id_or_dir), revision, cache_dir=cache_dir, token=token)
     except (InvalidRepoIdError, RepoNotFoundError) as exc:
         raise type(exc)(f"{exc} (and there is no local folder {repo_id_or_dir})") from None
+    except checkpoint.CheckpointError:  # not a vca-patch config.json: a LLaVA-SP repo (spatial_tokens.json)?
+        if base_weights is not None or base_state_dict is not None:
+            raise
+        spatial = fetch_spatial_folder(str(repo_id_or_dir), revision, cache_dir=cache_dir, token=token)
+        if spatial is None:
+            raise
+        return load_spatial_folder(spatial, device)
     return checkpoint.from_pretrained(folder, device=device, **base)

@@ -154,6 +154,13 @@ def push_to_hub(
     when a model is given.
     """
     repo_id = validate_repo_id(repo_id)
+    from ..spatial_tokens.hub import has_spatial_tokens, is_spatial_folder, push_spatial_tokens
+
+    if has_spatial_tokens(model_or_dir) if isinstance(model_or_dir, nn.Module) else is_spatial_folder(model_or_dir):
+        options = {"private": private, "token": token, "revision": revision, "commit_message": commit_message}
+        vca_only = {"form": form != "merged", "base_weights": base_weights is not None,
+                    "base_state_dict": base_state_dict is not None, "model_args": model_args is not None}  # fmt: skip
+        return push_spatial_tokens(model_or_dir, repo_id, metadata=metadata, vca_only=vca_only, **options)
     folder: Path | None = None
     if isinstance(model_or_dir, nn.Module):
         if get_patch_state(model_or_dir) is None:

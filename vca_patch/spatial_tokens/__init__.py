@@ -11,6 +11,7 @@ from .model import (
     image_token_count,
     remove_spatial_tokens,
 )
+from .plan import plan_spatial_tokens
 from .projector import SpatialTokenProjector
 from .train import apply_stage2_lora, caption_batch, stage1_parameters, stage2_param_groups
 
@@ -28,6 +29,7 @@ __all__ = [
     "get_spatial_projector",
     "image_token_count",
     "load_spatial_tokens",
+    "plan_spatial_tokens",
     "read_spatial_tokens_config",
     "remove_spatial_tokens",
     "save_spatial_tokens",

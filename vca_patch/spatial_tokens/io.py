@@ -13,9 +13,11 @@ from ..io.atomic import staged_directory
 from .card import render_card
 from .config import SpatialTokensConfig
 from .model import SpatialTokensError, _llava_core, add_spatial_tokens, get_spatial_projector, image_token_count
+from .vision_patch import new_tensors, reapply_vision_patch, vision_patch_records
 
 CONFIG_FILE = "spatial_tokens.json"
 WEIGHTS_FILE = "spatial_tokens.safetensors"
+VISION_PATCH_FILE = "vision_patch.safetensors"  # a VCA/MANO patch of the vision tower: its layers' own tensors
 FORMAT_VERSION = 1
 
 
@@ -31,7 +33,8 @@ def save_spatial_tokens(
 
     The folder holds the LLaVA itself via `save_pretrained` (without the new modules, so its state-dict keys
     are the original ones), `spatial_tokens.safetensors` + `spatial_tokens.json`, a README.md card, and the
-    processor (if given) with its image-token count updated.
+    processor (if given) with its image-token count updated. A VCA/MANO patch of the vision tower is recorded
+    in spatial_tokens.json (its tensors are in the LLaVA's weights) and re-applied by load_spatial_tokens.
     """
     from transformers import PreTrainedModel
 
@@ -51,6 +54,7 @@ def save_spatial_tokens(
         "view_sizes": projector.spatial_tokens.sizes,
         "image_tokens": image_token_count(model),
         "parameters": sum(p.numel() for p in projector.spatial_tokens.parameters()),
+        "vision_patch": vision_patch_records(model),
         "metadata": metadata or {},
     }
     json.dumps(meta)  # fail on non-JSON metadata before writing anything
@@ -68,6 +72,8 @@ def save_spatial_tokens(
                 core.config.image_seq_length = meta["image_tokens"]
         state = {k: v.detach().contiguous() for k, v in projector.spatial_tokens.state_dict().items()}
         save_file(state, str(stage / WEIGHTS_FILE))
+        if meta["vision_patch"]:
+            save_file(new_tensors(model), str(stage / VISION_PATCH_FILE))
         (stage / CONFIG_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
         (stage / "README.md").write_text(render_card(meta), encoding="utf-8")
         if processor is not None:
@@ -107,7 +113,15 @@ def load_spatial_tokens(path: str | Path, **from_pretrained_kwargs: Any) -> nn.M
     model_cls = getattr(transformers, architecture, None)
     if model_cls is None:
         raise SpatialTokensError(f"{path}/config.json names an unknown architecture {architecture!r}")
-    model = model_cls.from_pretrained(path, **from_pretrained_kwargs)
+    records = meta.get("vision_patch") or []
+    verbosity = transformers.logging.get_verbosity()
+    if records:  # the patched layers' own tensors are unexpected to transformers: read back below, not lost
+        transformers.logging.set_verbosity_error()
+    try:
+        model = model_cls.from_pretrained(path, **from_pretrained_kwargs)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    reapply_vision_patch(model, records, path / VISION_PATCH_FILE)
     add_spatial_tokens(model, config)
     projector = get_spatial_projector(model)
     settings = projector.settings()
