@@ -89,4 +89,17 @@ def build_variants(
         patched = copy.deepcopy(original)
         patch_model(patched, config)
         variants.append(Variant(config.target, patched.eval(), config.target, config))
+        packed_form = _packed_copy(patched, config)  # a target with a packed form (DIDB: bits + XNOR kernel)
+        if packed_form is not None:
+            variants.append(Variant(f"{config.target}-packed", packed_form.eval(), config.target, config))
     return variants
+
+
+def _packed_copy(patched: nn.Module, config: TargetConfig) -> nn.Module | None:
+    """A copy held in the target's packed form (`config.pack`); None without one or when it does not apply."""
+    if not hasattr(config, "pack"):
+        return None
+    try:
+        return config.pack(copy.deepcopy(patched))
+    except ValueError:  # e.g. DIDB with real weights (weights=False): nothing to pack
+        return None

@@ -25,8 +25,12 @@ from torch import nn
 from ..attention.carried import CarriedAttentionLayer
 from ..attention.fused_qkv import FusedQKVView
 from ..attention.layout import TokenLayout, record_layout, resolve_layout
-from .binary import binarize_activation, binarize_weight
+from .binary import BinaryWeight, binary_forward
 from .haar import haar_split
+
+
+def _rows(weight: torch.Tensor | BinaryWeight, start: int, stop: int) -> torch.Tensor | BinaryWeight:
+    return weight.rows(start, stop) if isinstance(weight, BinaryWeight) else weight[start:stop]
 
 
 def binarize_attention(attn: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
@@ -132,16 +136,26 @@ class DIDBAttention(CarriedAttentionLayer):
         B, N, _ = t.shape
         return t.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def _weight(self, name: str, linear: nn.Module | FusedQKVView) -> torch.Tensor:
-        weight = linear.weight
-        return binarize_weight(weight) if self.binarize_weights and name in self.binary else weight
+    def _weight(self, name: str) -> torch.Tensor | BinaryWeight:
+        """The fused qkv or the proj weight: packed (didb/packed.py), binarised from the latent weight, or real."""
+        linear = self.qkv if name == "qkv" else self.proj
+        modules = linear.linears() if isinstance(linear, FusedQKVView) else [linear]
+        if all(hasattr(m, "binary_weight") for m in modules):  # PackedBinaryLinear members
+            return BinaryWeight.cat([m.binary_weight() for m in modules])
+        if self.binarize_weights and name in self.binary:
+            return BinaryWeight.from_weight(linear.weight)
+        return linear.weight
 
     def _linear(
-        self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, clip: torch.Tensor
+        self,
+        name: str,
+        x: torch.Tensor,
+        weight: torch.Tensor | BinaryWeight,
+        bias: torch.Tensor | None,
+        clip: torch.Tensor,
     ) -> torch.Tensor:
-        if self.binarize_activations and name in self.binary:
-            x = binarize_activation(x, clip)
-        return F.linear(x, weight, bias)
+        clip = clip if self.binarize_activations and name in self.binary else None
+        return binary_forward(x, weight, bias, clip, allow_kernel=not self.training)
 
     def forward(
         self,
@@ -155,8 +169,8 @@ class DIDBAttention(CarriedAttentionLayer):
         B, N, _ = x.shape
         layout = resolve_layout("DIDBAttention", N, layout, self.layout_source, attn_mask, is_causal)
         A = self.attn_dim
-        weight, bias = self._weight("qkv", self.qkv), self.qkv.bias
-        w_qk, w_v = weight[: 2 * A], weight[2 * A :]
+        weight, bias = self._weight("qkv"), self.qkv.bias
+        w_qk, w_v = _rows(weight, 0, 2 * A), _rows(weight, 2 * A, 3 * A)
         b_qk, b_v = (None, None) if bias is None else (bias[: 2 * A], bias[2 * A :])
 
         v = self._heads(self._linear("qkv", x, w_v, b_v, self.qkv_clip[0]))  # [B, M, N, d]
@@ -187,7 +201,7 @@ class DIDBAttention(CarriedAttentionLayer):
         out = self.norm(out.transpose(1, 2).reshape(B, N, A))
         if self.gate is not None:
             out = out * self.gate(x).sigmoid()
-        y = self._linear("proj", out, self._weight("proj", self.proj), self.proj.bias, self.proj_clip)
+        y = self._linear("proj", out, self._weight("proj"), self.proj.bias, self.proj_clip)
         return record_layout(self.proj_drop(y), layout)
 
     def extra_repr(self) -> str:

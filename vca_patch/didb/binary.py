@@ -3,11 +3,14 @@
 Weights: W_b = α ⊙ sign(W), α_o = mean_i |W_oi| per output channel (XNOR-Net/BWN); the sign's gradient is the
 clipped straight-through estimator 1[|W| ≤ 1], α's flows exactly. Activations: x_b = c·sign(x) with a learnable
 clip c (BiT-style elastic binarisation): ∂x_b/∂x ≈ 1[|x| ≤ c] (the STE of clamp(x, −c, c)), ∂x_b/∂c = sign(x).
-sign(0) = 0. In PyTorch the ±1 products are emulated in floating point: this is the training path, not a kernel.
+sign(0) = 0. In PyTorch the ±1 products are emulated in floating point: this is the training path. With both
+binarised, y = (sign(x)·sign(W)ᵀ)·(c·α) + b: the ±1 matmul is an exact integer, so a packed layer's XNOR-popcount
+kernel (didb/kernel.py) gives the same numbers bit for bit.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +51,107 @@ class _ClipSign(torch.autograd.Function):
         return grad_x, grad_clip
 
 
+class _ScaledSign(torch.autograd.Function):
+    """sign(x) forward; gradient · 1[|x| ≤ c] / c backward: the STE of c·sign(x) when c multiplies outside."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, clip: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, clip)
+        return torch.sign(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        x, clip = ctx.saved_tensors
+        clip = clip.to(x.dtype)
+        inverse = torch.where(clip != 0, 1 / clip, torch.zeros_like(clip))
+        return grad * (x.abs() <= clip).to(grad.dtype) * inverse.to(grad.dtype), None
+
+
+@dataclass
+class BinaryWeight:
+    """A binarised weight α ⊙ sign(W): per-output-channel `scale` α [O] and the signs, either dense `[O, K]`
+    (from latent weights, with the STE) or packed (`words`, and `nonzero` where W has zeros: int64 [O, ⌈K/64⌉])."""
+
+    scale: torch.Tensor
+    in_features: int
+    dense_signs: torch.Tensor | None = None
+    words: torch.Tensor | None = None
+    nonzero: torch.Tensor | None = None
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor) -> BinaryWeight:
+        """α = mean |W| per row, sign(W) with the clipped STE."""
+        return cls(weight.abs().mean(dim=1), weight.shape[1], dense_signs=_SignSTE.apply(weight))
+
+    @property
+    def signs(self) -> torch.Tensor:
+        """sign(W) [O, K] in the scale's dtype."""
+        if self.dense_signs is not None:
+            return self.dense_signs
+        from .packed import unpack_signs  # packed.py imports this module
+
+        return unpack_signs(self.words, self.nonzero, self.in_features, dtype=self.scale.dtype)
+
+    def dense(self) -> torch.Tensor:
+        """α ⊙ sign(W) [O, K]."""
+        return self.scale.unsqueeze(1) * self.signs
+
+    def rows(self, start: int, stop: int) -> BinaryWeight:
+        """Output channels start..stop-1."""
+
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[start:stop]
+
+        return BinaryWeight(
+            self.scale[start:stop], self.in_features, cut(self.dense_signs), cut(self.words), cut(self.nonzero)
+        )
+
+    @classmethod
+    def cat(cls, parts: list[BinaryWeight]) -> BinaryWeight:
+        """Stacked along the output channels (packed parts only, or dense parts only)."""
+        if len(parts) == 1:
+            return parts[0]
+
+        def join(name: str) -> torch.Tensor | None:
+            tensors = [getattr(p, name) for p in parts]
+            return None if all(t is None for t in tensors) else torch.cat(tensors)
+
+        nonzero = None
+        if any(p.nonzero is not None for p in parts):  # a part without zeros: every real column is nonzero
+            from .packed import all_nonzero_words
+
+            nonzero = torch.cat([p.nonzero if p.nonzero is not None else all_nonzero_words(p) for p in parts])
+        return cls(join("scale"), parts[0].in_features, join("dense_signs"), join("words"), nonzero)
+
+
+def binary_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor | BinaryWeight,
+    bias: torch.Tensor | None,
+    clip: torch.Tensor | None,
+    *,
+    allow_kernel: bool = False,
+) -> torch.Tensor:
+    """A Linear with optional binarisation: `weight` real or a BinaryWeight, `clip` None (real inputs) or c.
+
+    Both binarised: y = (sign(x)·sign(W)ᵀ)·(c·α) + b, by the XNOR kernel when `allow_kernel`, the weight is
+    packed, x is float32 on the CPU, no gradient is recorded and the kernel is built; else in floating point.
+    """
+    if clip is None:
+        return F.linear(x, weight.dense() if isinstance(weight, BinaryWeight) else weight, bias)
+    if not isinstance(weight, BinaryWeight):
+        return F.linear(binarize_activation(x, clip), weight, bias)
+    scale = clip.to(weight.scale.dtype) * weight.scale
+    if allow_kernel and weight.words is not None and x.device.type == "cpu" and x.dtype == torch.float32:
+        grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, clip, bias))
+        from . import kernel
+
+        if not grads and scale.dtype == torch.float32 and kernel.kernel_available():
+            return kernel.xnor_linear(x, weight.words, weight.nonzero, scale, bias)
+    y = F.linear(_ScaledSign.apply(x, clip), weight.signs.to(x.dtype)) * scale.to(x.dtype)
+    return y if bias is None else y + bias
+
+
 def binarize_weight(weight: torch.Tensor) -> torch.Tensor:
     """α ⊙ sign(W) with α = mean |W| over each output channel (row); clipped STE for the sign."""
     alpha = weight.abs().mean(dim=1, keepdim=True)
@@ -68,9 +172,7 @@ def binary_linear(
     weights: bool = True,
 ) -> torch.Tensor:
     """y = binarize_activation(x, clip) · binarize_weight(W)ᵀ + b; `clip=None` keeps x real, `weights=False` W."""
-    if clip is not None:
-        x = binarize_activation(x, clip)
-    return F.linear(x, binarize_weight(weight) if weights else weight, bias)
+    return binary_forward(x, BinaryWeight.from_weight(weight) if weights else weight, bias, clip)
 
 
 class BinaryLinear(CarriesOriginal, nn.Linear):
@@ -117,7 +219,8 @@ class BinaryLinear(CarriesOriginal, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         clip = self.act_clip if self.binarize_activations else None
-        return binary_linear(x, self.weight, self.bias, clip, weights=self.binarize_weights)
+        weight = BinaryWeight.from_weight(self.weight) if self.binarize_weights else self.weight
+        return binary_forward(x, weight, self.bias, clip)
 
     def extra_repr(self) -> str:
         return (

@@ -145,6 +145,33 @@ class DIDBConfig(TargetConfig):
 
             set_binarization(model, **state)
 
+    # The packed checkpoint form (io/checkpoint.py `save_pretrained(..., packed=True)`): didb/packed.py.
+
+    def pack(self, model: nn.Module) -> nn.Module:
+        """Hold `model`'s binarised Linears packed, in place (`vca_patch.didb.pack_binary`); PatchError without
+        binarised weights."""
+        from .packed import pack_binary
+
+        return pack_binary(model)
+
+    def is_packed(self, model: nn.Module) -> bool:
+        """Whether `model` holds its binarised Linears as packed bits (it then saves packed only)."""
+        from .packed import is_packed
+
+        return is_packed(model)
+
+    def packed_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """`model`'s state dict with the binarised Linears as sign bits + scales (the model is not changed)."""
+        from .packed import packed_state_dict
+
+        return packed_state_dict(model)
+
+    def load_packed(self, model: nn.Module, state_dict: dict[str, Any], source: str) -> None:
+        """Put a freshly built model into the packed form of `state_dict` (ValueError when it does not fit)."""
+        from .packed import load_packed
+
+        load_packed(model, state_dict, source)
+
     def layer_settings(self, layer: DIDBAttention) -> dict[str, Any]:
         return {
             "binarize": list(self.binarize),

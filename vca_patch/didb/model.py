@@ -13,12 +13,19 @@ from .config import DIDBConfig
 def set_binarization(model: nn.Module, *, weights: bool | None = None, activations: bool | None = None) -> None:
     """Turn weight / activation binarisation of every binarised Linear on or off (None: leave as is).
 
-    Updates the patch's DIDBConfig too, so a checkpoint saved afterwards reloads in the same state.
+    Updates the patch's DIDBConfig too, so a checkpoint saved afterwards reloads in the same state. A packed model
+    (didb/packed.py) keeps binary weights: unpack it (`unpack_binary`) before turning them off.
     """
+    from .packed import PackedBinaryLinear, is_packed  # packed.py imports config.py, which imports this module
+
     state = get_patch_state(model)
     if state is None or not isinstance(state.config, DIDBConfig):
         raise PatchError("set_binarization needs a model patched with vca_patch.DIDBConfig")
+    if weights is False and is_packed(model):
+        raise PatchError("the model's binary weights are packed sign bits: call vca_patch.didb.unpack_binary first")
     for module in model.modules():
+        if isinstance(module, PackedBinaryLinear) and activations is not None:
+            module.binarize_activations = activations
         if isinstance(module, (DIDBAttention, BinaryLinear)):
             if weights is not None:
                 module.binarize_weights = weights

@@ -58,15 +58,22 @@ def _on_meta(fn, *args):
         return fn(*args)
 
 
-def _check_rebuildable(model: nn.Module, meta: dict[str, Any]) -> None:
-    """Rebuild the checkpoint's architecture on the meta device; its state-dict layout must match."""
+def _check_rebuildable(model: nn.Module, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Rebuild the checkpoint's architecture on the meta device; its state-dict layout must match `tensors`."""
     state = get_patch_state(model)
     base = _on_meta(state.adapter.create_base, meta["base"])
-    _on_meta(patch_model, base, TargetConfig.from_dict(meta["config"]))
-    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    config = TargetConfig.from_dict(meta["config"])
+    _on_meta(patch_model, base, config)
+    packed_mismatch = None
+    if meta.get("packed"):
+        try:
+            config.load_packed(base, tensors, "save_pretrained")
+        except ValueError as exc:  # the packed tensors do not fit the rebuilt Linears
+            packed_mismatch = str(exc)
+    ours = {k: tuple(v.shape) for k, v in tensors.items()}
     rebuilt = {k: tuple(v.shape) for k, v in base.state_dict().items()}
-    if ours != rebuilt:
-        diff = sorted(set(ours.items()) ^ set(rebuilt.items()))[:6]
+    if packed_mismatch or ours != rebuilt:
+        diff = packed_mismatch or sorted(set(ours.items()) ^ set(rebuilt.items()))[:6]
         raise PatchError(
             f"{meta['base']['architecture']} rebuilt from its name and model_args "
             f"{meta['base']['model_args']} does not match this model (differs at {diff}); pass "
@@ -131,6 +138,7 @@ def save_pretrained(
     base_weights: str | Path | dict[str, Any] | None = None,
     base_state_dict: dict[str, torch.Tensor] | None = None,
     repo_id: str | None = None,
+    packed: bool | None = None,
 ) -> Path:
     """Write a patched model to `directory` (weights, config.json, README.md), atomically.
 
@@ -142,14 +150,21 @@ def save_pretrained(
     converted from: `base_state_dict` (those tensors) or else read from `base_weights` (a local file,
     "org/name@revision", or by default the base's Hub id at its cached commit), which is also the
     reference loaders fetch. `repo_id` fills in the model card's usage snippet.
+
+    `packed=True` stores the target's packed form (`"packed": true` in config.json; DIDB: binarised Linears as sign
+    bits + scales), which `from_pretrained` loads back as it was; a model already held packed saves packed (None).
     """
     if form not in FORMS:
         raise ValueError(f"form must be one of {sorted(FORMS)}, got {form!r}")
     meta = checkpoint_metadata(model, model_args=model_args, metadata=metadata)
     check_metadata(meta["metadata"])
     check_loadable(meta, "save_pretrained")  # what from_pretrained would refuse is not written
-    _check_rebuildable(model, meta)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    packed = _packed_choice(model, packed, form)
+    state_dict = get_patch_state(model).config.packed_state_dict(model) if packed else model.state_dict()
+    if packed:
+        meta["packed"] = True
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    _check_rebuildable(model, meta, tensors)
     if form == "delta":
         ref = base_weights_ref(base_weights, meta["base"])
         base = base_state_dict if base_state_dict is not None else fetch_base_state_dict(ref)
@@ -163,6 +178,20 @@ def save_pretrained(
         atomic_write_text(stage / CONFIG_NAME, json.dumps(meta, indent=2) + "\n")
         atomic_write_text(stage / CARD_NAME, render_model_card(meta, repo_id=repo_id))
     return Path(directory)
+
+
+def _packed_choice(model: nn.Module, packed: bool | None, form: str) -> bool:
+    """Whether to save the target's packed form: asked for, or the model is held packed (it has no other)."""
+    config = get_patch_state(model).config
+    held = bool(getattr(config, "is_packed", lambda m: False)(model))
+    packed = held if packed is None else packed
+    if held and not packed:
+        raise ValueError(f"this {config.target} model is held in packed form and saves packed only (packed=True)")
+    if packed and not hasattr(config, "packed_state_dict"):
+        raise ValueError(f"target {config.target!r} has no packed checkpoint form")
+    if packed and form != "merged":
+        raise ValueError("a packed checkpoint is merged (form='merged')")
+    return packed
 
 
 def weights_name(meta: dict[str, Any]) -> str:
@@ -202,6 +231,10 @@ def check_checkpoint_config(meta: Any, where: str) -> dict[str, Any]:
         )
     if meta.get("checkpoint_form", "merged") not in FORMS:
         raise CheckpointError(f"{where}: unknown checkpoint_form {meta['checkpoint_form']!r}; known: {sorted(FORMS)}")
+    if meta.get("packed", False) not in (True, False):
+        raise CheckpointError(f"{where}: packed must be true or false, got {meta['packed']!r}")
+    if meta.get("packed") and meta.get("checkpoint_form", "merged") != "merged":
+        raise CheckpointError(f"{where}: a packed checkpoint must be merged, not {meta['checkpoint_form']!r}")
     if meta.get("checkpoint_form") == "delta":
         if not isinstance(meta.get("delta"), dict) or "base_weights" not in meta["delta"]:
             raise CheckpointError(f"{where}: a delta checkpoint must name its base weights (delta.base_weights)")
@@ -271,6 +304,14 @@ def from_pretrained(
         raise CheckpointError(str(exc)) from None
     if delta:
         state = merge_delta(state, base_state_dict, list(model.state_dict()), meta["delta"])
+    if meta.get("packed"):  # the target rebuilds its packed modules from the file's tensors
+        load_packed = getattr(get_patch_state(model).config, "load_packed", None)
+        if load_packed is None:
+            raise CheckpointError(f"{path} is packed, but target {meta['config'].get('target')!r} has no packed form")
+        try:
+            load_packed(model, state, str(path))
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
     try:
         load_state_dict_checked(model, state, str(path))
     except WeightsMismatchError as exc:
