@@ -34,7 +34,7 @@ def test_deit_recipe_states_its_gpu_budget():
         ({"stages": [{"name": "a", "kind": "distill"}]}, "stages[0].steps must be >= 1"),
         ({"stages": [{"kind": "distill", "steps": 1}]}, "missing required key 'name'"),
         ({"data": {"kind": "imagefolder", "eval_limit": 1.5}}, "recipe.data.eval_limit: expected int or null"),
-        ({"extra": 1}, "recipe: unknown key 'extra'; valid keys: ['budget', 'data', 'description', 'name'"),
+        ({"extra": 1}, "unknown key 'extra'; valid keys: ['budget', 'data', 'description', 'diffusion', 'name'"),
         ({"train": {"lambda_max": 1.5}}, "train.lambda_max must be in (0, 1)"),
         ({"stages": []}, "at least one stage"),
     ],

@@ -116,5 +116,6 @@ def finetune(
     if not accelerator.is_main_process:
         return
     final = result.metrics.get("final", {})
-    shown = ", ".join(f"{k} {final[k]:.4f}" for k in ("top1_patched", "top1_agreement", "cls_cosine") if k in final)
+    keys = ("top1_patched", "top1_agreement", "cls_cosine", "prediction_error", "mean_layer_error")  # (diffusion)
+    shown = ", ".join(f"{k} {final[k]:.4f}" for k in keys if k in final)
     console.print(f"[bold green]Recovered[/] {output}/ ({shown}); metrics in {output}/metrics.json")

@@ -30,6 +30,7 @@ from ..io.atomic import atomic_write_text
 from ..recovery.calibrate import calibrate
 from ..surgery import get_patch_state
 from .checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, trainer_state
+from .diffusion import evaluate_diffusion
 from .evaluation import evaluate
 from .objective import RecoveryObjective
 from .optim import StageScheduler, stage_optimizer
@@ -336,6 +337,8 @@ def run_recipe(
             atomic_write_text(output / "metrics.json", json.dumps(metrics, indent=2) + "\n")
 
     def eval_now(model: nn.Module) -> dict[str, Any]:
+        if recipe.diffusion is not None:  # a diffusion transformer: layer and prediction errors (train.diffusion)
+            return evaluate_diffusion(model, teacher, eval_set, tr.eval_images, recipe.diffusion)
         return evaluate(model, teacher, eval_set, tr.eval_images, accelerator)
 
     if not resume:
@@ -359,7 +362,7 @@ def run_recipe(
                 continue
             accelerator.free_memory()
             across = (lambda t: accelerator.reduce(t, "mean")) if world > 1 else None
-            objective = RecoveryObjective(student, teacher, stage, across)
+            objective = RecoveryObjective(student, teacher, stage, across, recipe.diffusion)
             optimizer = stage_optimizer(student, stage)
             scheduler = StageScheduler(optimizer, stage)
             model, optimizer, train_loader, scheduler = accelerator.prepare(objective, optimizer, loader, scheduler)

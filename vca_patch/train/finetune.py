@@ -136,6 +136,12 @@ def finetune(
     accelerator = accelerator or make_accelerator(
         mixed_precision or recipe.train.mixed_precision, device=device, grad_accum=recipe.train.grad_accum
     )
+    if recipe.diffusion is not None:  # latents and diffusion losses instead of images (train.diffusion_finetune)
+        from .diffusion_finetune import finetune_diffusion
+
+        return finetune_diffusion(
+            converted, recipe, output, resume=resume, stop_after_steps=stop_after_steps, accelerator=accelerator
+        )
     meta = read_checkpoint_config(converted)
     student = from_pretrained(converted)
     teacher = teacher_from(student)

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from ..adapters.diffusers_processor import NEW_PARAMETERS
 from ..attention import VisualContrastAttention
 from ..attention.carried_module import CarriesOriginal
 from ..attention.differential_lambda import DifferentialLambda
@@ -27,6 +28,12 @@ def parameter_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter
     edits = {path + ".": model.get_submodule(path) for path in state.block_originals} if state is not None else {}
     replaced = [*state.originals.values(), *state.block_originals.values()] if state is not None else []
     carried = {id(p) for original in replaced if isinstance(original, nn.Module) for p in original.parameters()}
+    for path in sites:  # an adapter that swapped an implementation in place (diffusers processors): all but `vca`
+        module = model.get_submodule(path[:-1])
+        new = module._modules.get(NEW_PARAMETERS)
+        if new is not None:
+            own = {id(p) for p in new.parameters()}
+            carried |= {id(p) for p in module.parameters() if id(p) not in own}
     for name, p in model.named_parameters():
         prefix = next((v for v in sites if name.startswith(v)), None)
         edit = next((v for v in edits if name.startswith(v)), None) if prefix is None else None
@@ -38,7 +45,7 @@ def parameter_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter
             module = edits[edit]
             own = isinstance(module, CarriesOriginal) and name[len(edit) :] in module.carried_names
             groups["carried" if own else "new"].append((name, p))
-        elif name[len(prefix) :].startswith(("lambda1.", "lambda2.")):
+        elif name[len(prefix) :].removeprefix(NEW_PARAMETERS + ".").startswith(("lambda1.", "lambda2.")):
             groups["lambda"].append((name, p))
         else:
             groups["new"].append((name, p))
@@ -70,7 +77,7 @@ def clamp_lambda(lam: DifferentialLambda, low: float = 0.0, high: float = 0.95, 
 @torch.no_grad()
 def guard_lambdas(model: nn.Module, high: float) -> int:
     """Clamp every VCA layer's λ₁, λ₂ into [0, high]; returns how many were moved. Reads all λ in one transfer."""
-    lams = [lam for m in model.modules() if isinstance(m, VisualContrastAttention) for lam in (m.lambda1, m.lambda2)]
+    lams = [lam for m in vca_layers(model) for lam in (m.lambda1, m.lambda2)]
     if not lams:
         return 0
     values = torch.stack([lam().reshape(()).double() for lam in lams]).tolist()
@@ -79,4 +86,15 @@ def guard_lambdas(model: nn.Module, high: float) -> int:
 
 def lambda_trace(model: nn.Module) -> list[list[float]]:
     """[[λ₁, λ₂] per VCA layer] for health logs."""
-    return [list(m.lambdas()) for m in model.modules() if isinstance(m, VisualContrastAttention)]
+    return [list(m.lambdas()) for m in vca_layers(model)]
+
+
+def vca_layers(model: nn.Module) -> list[VisualContrastAttention]:
+    """The VCA layers of `model`: its modules, and the layers diffusers attention processors hold (outside the
+    module tree, bound to the attention module's parameters at each call)."""
+    found = []
+    for m in model.modules():
+        layer = m if isinstance(m, VisualContrastAttention) else getattr(getattr(m, "processor", None), "layer", None)
+        if isinstance(layer, VisualContrastAttention):
+            found.append(layer)
+    return found

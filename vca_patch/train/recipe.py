@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from .diffusion_spec import DiffusionSpec, check_diffusion_spec
+
 
 class RecipeError(ValueError):
     """A recipe file or value is invalid."""
@@ -68,7 +70,8 @@ class StageSpec:
     kind: "calibrate" (closed-form, no gradient steps), "attention_transfer" (each VCA layer
     reproduces the frozen original attention output on the original's input; normalised MSE) or
     "distill" (end to end from the original model: KL on logits, or feature cosine without a
-    head; plus cross-entropy on labels when label_weight > 0).
+    head; plus cross-entropy on labels when label_weight > 0) or "distill_diffusion" (a diffusion transformer:
+    attention-output, teacher-prediction and own-objective losses per the recipe's `diffusion` section).
     lr: the new VCA parameters; lambda_lr: the λ vectors; carried_lr: q/k/v/proj (0 = frozen);
     rest_lr: everything outside attention (distill only; 0 = frozen).
     target_state: settings of the patch target switched at this stage's start and kept by later stages until one
@@ -77,7 +80,7 @@ class StageSpec:
     """
 
     name: str
-    kind: Literal["calibrate", "attention_transfer", "distill"]
+    kind: Literal["calibrate", "attention_transfer", "distill", "distill_diffusion"]
     steps: int = 0
     lr: float = 3e-3
     lambda_lr: float = 1e-4
@@ -102,6 +105,7 @@ class Recipe:
     budget: str = ""
     data: DataSpec = field(default_factory=DataSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
+    diffusion: DiffusionSpec | None = None  # the latents and losses of distill_diffusion stages
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -135,6 +139,9 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in get_args(tp):
             return None
+        options = [a for a in get_args(tp) if a is not type(None)]
+        if len(options) == 1 and dataclasses.is_dataclass(options[0]):  # a section or null: the section's own error
+            return _convert(value, options[0], where)
         errors = []
         for option in get_args(tp):
             if option is type(None):
@@ -240,6 +247,16 @@ def _check(recipe: Recipe) -> None:
         for key in ("lr", "lambda_lr", "carried_lr", "rest_lr", "weight_decay", "label_weight"):
             if getattr(s, key) < 0:
                 raise RecipeError(f"stages[{i}].{key} must be >= 0, got {getattr(s, key)}")
+    diffusion_stages = [s.name for s in recipe.stages if s.kind == "distill_diffusion"]
+    if diffusion_stages and recipe.diffusion is None:
+        raise RecipeError(f"stage {diffusion_stages[0]!r} is distill_diffusion: the recipe needs a `diffusion` section")
+    if recipe.diffusion is not None:
+        other = [s.name for s in recipe.stages if s.kind != "distill_diffusion"]
+        problems = check_diffusion_spec(recipe.diffusion)
+        if other:
+            problems.append(f"stage {other[0]!r}: a recipe with a `diffusion` section takes distill_diffusion stages")
+        if problems:
+            raise RecipeError(problems[0])
     if recipe.data.mixup < 0 or recipe.data.cutmix < 0:
         raise RecipeError("data.mixup and data.cutmix must be >= 0")
 

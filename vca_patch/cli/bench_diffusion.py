@@ -1,0 +1,60 @@
+"""`vca-patch bench dit-xl-2`: a diffusion transformer's denoising step, original SDPA vs converted, per image size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import TargetConfig
+from .common import console, fail, prepare_cpu_kernel, resolve_device
+
+
+def bench_diffusion(
+    model: str,
+    resolutions: list[int] | None,
+    configs: list[TargetConfig],
+    *,
+    depth: int | None,
+    batch: int,
+    device: str,
+    dtype: str,
+    repeats: int,
+    min_time: float,
+    warmup: int,
+    threads: int | None,
+    cpu_kernel: bool,
+    json_path: Path | None,
+) -> None:
+    """Time MODEL (a `bench.diffusion.DIFFUSION_MODELS` shape, random weights) and print the crossover."""
+    from ..bench import BenchError
+    from ..bench.diffusion import (
+        DEFAULT_RESOLUTIONS,
+        DiffusionBenchSettings,
+        check_diffusion_bench,
+        crossover_text,
+        diffusion_table,
+        run_diffusion_bench,
+    )
+    from ..bench.report import write_json
+
+    device = str(resolve_device(device))
+    settings = DiffusionBenchSettings(
+        resolutions=list(resolutions or DEFAULT_RESOLUTIONS), batch=batch, device=device, dtype=dtype,
+        warmup=warmup, repeats=repeats, min_time=min_time, threads=threads, cpu_kernel=cpu_kernel,
+    )  # fmt: skip
+    try:
+        check_diffusion_bench(model, settings, depth)  # before the kernel build and the models
+    except BenchError as exc:
+        fail(str(exc), 2)
+    if device == "cpu" and dtype == "float32" and cpu_kernel and any(c.target == "vca" for c in configs):
+        prepare_cpu_kernel()
+    with console.status(f"Measuring {model}...") as status:
+        try:
+            result = run_diffusion_bench(model, configs, settings, depth=depth, log=status.update)
+        except BenchError as exc:
+            fail(str(exc), 2)
+    console.print(diffusion_table(result))
+    for line in crossover_text(result):
+        console.print(line, highlight=False)
+    if json_path is not None:
+        write_json(result, json_path)
+        console.print(f"[bold green]Wrote[/] {json_path}")
