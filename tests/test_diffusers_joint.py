@@ -371,6 +371,7 @@ def test_save_and_reload_give_identical_outputs(tmp_path, diffusers_loadable, fo
 # -- Flux: text first, rotary embedding -------------------------------------------------------------------
 
 FLUX_DOUBLE = ["transformer_blocks.0.attn", "transformer_blocks.1.attn"]
+FLUX_SINGLE = "single_transformer_blocks.0.attn"
 
 
 def tiny_flux() -> torch.nn.Module:
@@ -399,14 +400,12 @@ def flux_rotary(model, L, grid):
     return model.pos_embed(torch.cat([torch.zeros(L, 3), image_ids(*grid)]))
 
 
-def test_flux_double_blocks_patched_single_blocks_skipped_with_why():
+def test_flux_double_blocks_patched_single_blocks_too():  # single-stream: tests/test_diffusers_single_stream.py
     model = tiny_flux()
     report = patch_model(model, CONFIG)
-    assert [s.path for s in report.patched] == FLUX_DOUBLE and [s.layer_index for s in report.patched] == [0, 1]
+    assert [s.path for s in report.patched] == [*FLUX_DOUBLE, FLUX_SINGLE]
+    assert [s.layer_index for s in report.patched] == [0, 1, 2] and not report.skipped
     assert all(s.verified is True and not s.notes for s in report.patched)
-    assert [(s.path, s.reason.split(" (")[0]) for s in report.skipped] == [
-        ("single_transformer_blocks.0.attn", "Flux single-stream attention")
-    ]
     layer = patched_processors(model)[FLUX_DOUBLE[0]].layer
     assert layer.rope_contrast == "pooled" and layer.prefix_readout == "exact"
 
@@ -506,7 +505,7 @@ def test_flux_denoising_layout_from_img_ids_unpatch_and_reload(tmp_path, diffuse
                 timestep=(t / 1000).expand(2), img_ids=image_ids(*grid), txt_ids=torch.zeros(7, 3),
             ).sample  # fmt: skip
             sample = scheduler.step(velocity, t, sample).prev_sample
-        assert sample.isfinite().all() and grids == [grid] * (3 * 2)
+        assert sample.isfinite().all() and grids == [grid] * (3 * 3)  # 2 double-stream, 1 single-stream block
         with pytest.raises(ValueError, match="one row-major grid"):
             model(
                 hidden_states=x, encoder_hidden_states=text, pooled_projections=pooled, timestep=torch.full((2,), 0.5),
@@ -515,7 +514,7 @@ def test_flux_denoising_layout_from_img_ids_unpatch_and_reload(tmp_path, diffuse
         expected = flux_call(model, x, grid)
         save_pretrained(model, tmp_path / "ckpt")
         loaded = from_pretrained(tmp_path / "ckpt")
-        assert sorted(patched_processors(loaded)) == FLUX_DOUBLE
+        assert sorted(patched_processors(loaded)) == sorted([*FLUX_DOUBLE, FLUX_SINGLE])
         assert torch.equal(flux_call(loaded, x, grid), expected)
 
         unpatch_model(model)

@@ -8,8 +8,11 @@ Every `Attention` / `AttentionModuleMixin` module is classified:
   `JointVisualContrastAttention`; the text tokens are exact prefix tokens (they read all keys with softmax
   attention, so the text stream's output is the original's; linear in N since the text length is fixed) and
   keys of the image tokens. Flux double-stream blocks (`FluxAttnProcessor`, text first) likewise, with the rotary
-  embedding kept on every query and key and the contrast tokens pooled after rotation; Flux single-stream blocks
-  are skipped (not converted yet). Flux has no patch embedding: its grid comes from `img_ids` (`diffusers_flux`).
+  embedding kept on every query and key (contrast tokens as `VCAConfig.rope_contrast` says). Flux single-stream
+  blocks (one [text; image] sequence, shared q/k/v, no output projection) convert to
+  `SingleStreamVisualContrastAttention`, text first as exact prefix tokens; their block indices continue after
+  the double-stream blocks' (λ_init and `layers=` count on). Flux has no patch embedding: its grid comes from
+  `img_ids` (`diffusers_flux`).
 - **cross-attention** (PixArt `attn2`, image → text): skipped; it already costs N·L, linear in N.
 - **already linear** (Sana's ReLU linear attention) and **unknown processors** (IP-Adapter, PAG, fused
   projections, custom): skipped, with the processor named.
@@ -28,11 +31,24 @@ from torch import nn
 
 from ..attention import CarriedAttention, TokenLayout
 from ..attention.fused_qkv import SplitQKV
-from ..attention.joint_vca import JointVisualContrastAttention
+from ..attention.joint_vca import (
+    CarriedSingleStreamAttention,
+    JointVisualContrastAttention,
+    NoOutputProjection,
+    SingleStreamVisualContrastAttention,
+)
 from .base import AttentionSite, LayoutScopeEnd, LayoutTracker, ModelAdapter, SkippedSite, remove_hooks
-from .diffusers_flux import FluxJointLayerProcessor, FluxLayoutHook, flux_verification_error, is_flux
+from .diffusers_flux import (
+    FluxJointLayerProcessor,
+    FluxLayoutHook,
+    FluxSingleLayerProcessor,
+    flux_verification_error,
+    is_flux,
+    single_verification_error,
+)
 from .diffusers_joint import carry_joint, joint_structure_problem, joint_verification_error
 from .diffusers_processor import NEW_PARAMETERS, CarriedLayerProcessor, JointLayerProcessor, new_members
+from .diffusers_source import SOURCE
 from .verify import TOLERANCE
 
 # Model classes whose patched form `create_base` rebuilds from their diffusers config.
@@ -49,6 +65,8 @@ _LINEAR_PROCESSORS = (
 _BLOCK_INDEX = re.compile(r"(?:^|\.)(?:single_)?transformer_blocks\.(\d+)\.")
 _QKV = ("to_q", "to_k", "to_v")
 _CONFIG_KEY = re.compile(r"[a-z][a-z0-9_]*")
+_SUBFOLDER = re.compile(r"[A-Za-z0-9][\w.-]*")  # one folder level: "transformer"
+_REVISION = re.compile(r"[A-Za-z0-9][\w.-]{0,254}")
 
 
 def _attention_types() -> tuple[type, ...]:
@@ -80,10 +98,8 @@ def classify(module: nn.Module) -> tuple[str, str | None]:
         return "linear", f"already linear attention ({name}): nothing to convert"
     joint = getattr(module, "added_kv_proj_dim", None) is not None or getattr(module, "add_q_proj", None) is not None
     if name == "FluxAttnProcessor" and not joint:
-        return "single", (
-            "Flux single-stream attention (one [text; image] sequence, no output projection inside the attention): "
-            "not converted yet; left as softmax attention"
-        )
+        return ("single", None) if _single_stream(module) else ("unknown", "Flux attention without added text "
+                "projections that is not single-stream (pre_only, shared to_q/to_k/to_v, RMSNorm q/k)")  # fmt: skip
     if joint and name not in _JOINT_PROCESSORS:
         return "unknown", (
             f"joint (image + text) attention with processor {where}: only JointAttnProcessor2_0 (SD3/SD3.5) and "
@@ -121,6 +137,24 @@ def classify(module: nn.Module) -> tuple[str, str | None]:
     return "self", None
 
 
+def _single_stream(module: nn.Module) -> bool:
+    """A Flux single-stream attention: to_q/to_k/to_v Linear layers of one width, no output projection."""
+    projections = [getattr(module, n, None) for n in _QKV]
+    if not all(isinstance(p, nn.Linear) for p in projections) or len({p.out_features for p in projections}) != 1:
+        return False
+    return bool(getattr(module, "pre_only", False)) and getattr(module, "to_out", None) is None
+
+
+KINDS = {  # classify()'s kinds, as `inspect` names them
+    "self": "image self-attention",
+    "joint": "joint attention (image + text)",
+    "single": "single-stream joint attention (text + image)",
+    "cross": "cross-attention (image -> text)",
+    "linear": "linear attention",
+    "unknown": "unknown processor",
+}
+
+
 class DiffusersDiTAdapter(ModelAdapter):
     """Converts the image self-attention of diffusers diffusion transformers by swapping attention processors."""
 
@@ -136,6 +170,7 @@ class DiffusersDiTAdapter(ModelAdapter):
         attention_types = _attention_types()
         sites: list[AttentionSite] = []
         skipped: list[SkippedSite] = []
+        double_blocks = len(getattr(model, "transformer_blocks", ()))  # single-stream block indices continue after
         for path, module in model.named_modules():
             if not isinstance(module, attention_types):
                 continue
@@ -146,7 +181,8 @@ class DiffusersDiTAdapter(ModelAdapter):
             if reason is not None:
                 skipped.append(SkippedSite(path, type(module).__name__, reason))
                 continue
-            sites.append(AttentionSite(path, module, int(match.group(1)), module.to_q.in_features, module.heads))
+            index = int(match.group(1)) + (double_blocks if path.startswith("single_transformer_blocks.") else 0)
+            sites.append(AttentionSite(path, module, index, module.to_q.in_features, module.heads))
         return sites, skipped
 
     def embedding_module(self, model: nn.Module) -> nn.Module:
@@ -184,8 +220,11 @@ class DiffusersDiTAdapter(ModelAdapter):
 
     def carry(self, site: AttentionSite) -> CarriedAttention:
         attn = site.module
-        if classify(attn)[0] == "joint":
+        kind = classify(attn)[0]
+        if kind == "joint":
             return carry_joint(attn)
+        if kind == "single":
+            return carry_single(attn)
         return CarriedAttention(
             qkv=SplitQKV(attn, _QKV),
             proj=attn.to_out[0],
@@ -198,10 +237,15 @@ class DiffusersDiTAdapter(ModelAdapter):
 
     def verify(self, site: AttentionSite) -> AttentionSite:
         """Self-attention as for ViTs; joint attention: both output streams against a written-out reference."""
-        if classify(site.module)[0] != "joint":
+        kind = classify(site.module)[0]
+        if kind not in ("joint", "single"):
             return super().verify(site)
-        flux = type(site.module.processor).__name__ == "FluxAttnProcessor"
-        error = (flux_verification_error if flux else joint_verification_error)(site.module, carry_joint(site.module))
+        if kind == "single":
+            error = single_verification_error(site.module, carry_single(site.module))
+        else:
+            flux = type(site.module.processor).__name__ == "FluxAttnProcessor"
+            check = flux_verification_error if flux else joint_verification_error
+            error = check(site.module, carry_joint(site.module))
         site.verified = None if error is None else error < TOLERANCE
         if site.verified is False:
             site.notes.append(f"reference joint softmax attention differs by {error:.2g} (relative)")
@@ -218,11 +262,13 @@ class DiffusersDiTAdapter(ModelAdapter):
         if NEW_PARAMETERS in attn._modules:
             raise ValueError(f"{path} already has a child {NEW_PARAMETERS!r}")
         sources = {name: name for name in _QKV}
-        sources[layer._proj_name] = "to_out.0"
+        single = isinstance(layer, SingleStreamVisualContrastAttention)  # no to_out: the layer keeps its own Identity
+        if not single:
+            sources[layer._proj_name] = "to_out.0"
         for member, source, present in (
             ("q_norm", "norm_q", attn.norm_q is not None),
             ("k_norm", "norm_k", attn.norm_k is not None),
-            ("proj_drop", "to_out.1", len(attn.to_out) > 1),
+            ("proj_drop", "to_out.1", not single and len(attn.to_out) > 1),
         ):
             if present:
                 sources[member] = source
@@ -233,7 +279,7 @@ class DiffusersDiTAdapter(ModelAdapter):
             sources.update({name: name for name in layer.stream_members()})
             processor_type = JointLayerProcessor
             if type(attn.processor).__name__ == "FluxAttnProcessor":
-                processor_type = FluxJointLayerProcessor
+                processor_type = FluxSingleLayerProcessor if single else FluxJointLayerProcessor
                 layer.__dict__["rotary_embed"] = model.pos_embed  # FluxPosEmbed (no tensors): centre rotations
         original = attn.processor
         attn.add_module(NEW_PARAMETERS, new_members(layer, attn))
@@ -253,12 +299,16 @@ class DiffusersDiTAdapter(ModelAdapter):
         if architecture not in ARCHITECTURES:
             raise ValueError(f"{architecture} cannot be saved by vca-patch yet; supported: {', '.join(ARCHITECTURES)}")
         config = {k: list(v) if isinstance(v, tuple) else v for k, v in model.config.items() if not k.startswith("_")}
-        name = model.config.get("_name_or_path", "") or None
+        source = model.__dict__.get(SOURCE)  # set by diffusers_source when vca-patch loaded the model
+        if source is None:
+            name = model.config.get("_name_or_path", "") or None
+            hub_id = name if name and re.fullmatch(r"[\w.-]+/[\w.-]+", name) else None
+            source = {"hf_hub_id": hub_id, "subfolder": None, "revision": None}
         return {
             "library": "diffusers",
             "architecture": architecture,
             "config": config,
-            "hf_hub_id": name if name and re.fullmatch(r"[\w.-]+/[\w.-]+", name) else None,
+            **source,  # hf_hub_id, subfolder (transformer/ of a pipeline repo), revision (the commit it came from)
             "license": None,
         }
 
@@ -268,6 +318,18 @@ class DiffusersDiTAdapter(ModelAdapter):
         import diffusers
 
         return getattr(diffusers, description["architecture"]).from_config(description["config"])
+
+
+def carry_single(attn: nn.Module) -> CarriedSingleStreamAttention:
+    """The modules of a Flux single-stream attention (no output projection: `NoOutputProjection`)."""
+    return CarriedSingleStreamAttention(
+        qkv=SplitQKV(attn, _QKV),
+        proj=NoOutputProjection(attn.to_q.out_features),
+        num_heads=attn.heads,
+        head_dim=attn.to_q.out_features // attn.heads,
+        q_norm=attn.norm_q if attn.norm_q is not None else nn.Identity(),
+        k_norm=attn.norm_k if attn.norm_k is not None else nn.Identity(),
+    )
 
 
 def check_diffusers_base(base: dict[str, Any], where: str) -> None:
@@ -280,6 +342,12 @@ def check_diffusers_base(base: dict[str, Any], where: str) -> None:
         raise UnsafeConfigError(
             f"{where}: base.architecture = {architecture!r} is not allowed: expected one of {', '.join(ARCHITECTURES)}"
         )
+    for key, pattern in (("subfolder", _SUBFOLDER), ("revision", _REVISION)):
+        value = base.get(key)
+        if value is not None and (not isinstance(value, str) or not pattern.fullmatch(value) or ".." in value):
+            raise UnsafeConfigError(
+                f"{where}: base.{key} = {value!r:.80} is not allowed: expected null or a plain name"
+            )
     config = base.get("config")
     if not isinstance(config, dict):
         raise UnsafeConfigError(f"{where}: base.config must be an object of {architecture} constructor options")
@@ -292,6 +360,25 @@ def check_diffusers_base(base: dict[str, Any], where: str) -> None:
             )
         if re.search(r"(?:^|_)(?:path|file|url|dir|directory)$", key) and value not in (None, ""):
             raise UnsafeConfigError(f"{where}: base.config.{key} names a file or URL; not allowed")
+
+
+def describe_sites(model: nn.Module) -> list[dict[str, str]]:
+    """Per attention module of a diffusers transformer: its path, its kind (`KINDS`) and the token grid it runs on
+    (the config's sample size through the patch embedding; any latent size runs), for `inspect`."""
+    if is_flux(model):
+        grid = "from img_ids (any size)"
+    else:
+        layout = DiffusersDiTAdapter().default_layout(model)
+        grid = f"{layout.grid[0]}x{layout.grid[1]} at sample_size (any size)" if layout else "from the latent"
+    rows = []
+    for path, module in model.named_modules():
+        if isinstance(module, _attention_types()):
+            kind = classify(module)[0]
+            text = "+ text tokens" if kind in ("joint", "single") else ""
+            order = "text first" if kind == "single" or (kind == "joint" and is_flux(model)) else "image first"
+            tokens = f"{grid} {text} ({order})" if text else (grid if kind in ("self", "linear") else "-")
+            rows.append({"module": path, "kind": KINDS[kind], "tokens": tokens})
+    return rows
 
 
 def patched_processors(model: nn.Module) -> dict[str, CarriedLayerProcessor]:

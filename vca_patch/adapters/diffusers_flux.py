@@ -1,11 +1,13 @@
-"""Flux (`FluxTransformer2DModel`) in diffusers: the token layout from `img_ids`, the double-stream joint attention's
-processor, and its verification with the rotary embedding.
+"""Flux (`FluxTransformer2DModel`) in diffusers: the token layout from `img_ids`, the double- and single-stream joint
+attention's processors, and their verification with the rotary embedding.
 
 Flux packs the latent into 2×2 patches before `x_embedder` (a Linear), so no module sees a [B, C, H, W] latent: a
 forward pre-hook on the model reads the image position ids (`img_ids`, rows (0, row, col) row-major, in packed
 units) and opens the call's layout scope with that grid. Text comes first in Flux's joint sequence, and the
 rotary embedding (`image_rotary_emb`, (cos, sin) over [text; image]) is applied to every query and key: it is
-Flux's only positional signal and is never dropped (`JointVisualContrastAttention.rope_contrast`).
+Flux's only positional signal and is never dropped (`JointVisualContrastAttention.rope_contrast`). Single-stream
+blocks concatenate [text; image] before the attention, which shares one q/k/v and has no output projection: the
+text length is the sequence's length less the grid's H·W.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from torch import nn
 
 from ..attention import TokenLayout
-from ..attention.joint_vca import CarriedJointAttention
+from ..attention.joint_vca import CarriedJointAttention, CarriedSingleStreamAttention, rotate
 from ..attention.layout import open_scope
 from .base import LayoutTracker
 from .diffusers_joint import _relative, reference_joint_attention
@@ -83,6 +85,43 @@ class FluxJointLayerProcessor(CarriedLayerProcessor):
         return self.layer(hidden_states, encoder_hidden_states, layout=layout, rotary=image_rotary_emb)
 
 
+class FluxSingleLayerProcessor(CarriedLayerProcessor):
+    """Processor for a Flux single-stream attention converted to `SingleStreamVisualContrastAttention`: the
+    [text; image] sequence and its rotary embedding in, the unprojected attention output out, as FluxAttnProcessor."""
+
+    def __call__(  # type: ignore[override]
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        layout: TokenLayout | None = None,
+    ) -> torch.Tensor:
+        owner = f"{type(self.layer).__name__} (patched into {type(attn).__name__} by vca_patch)"
+        if encoder_hidden_states is not None:
+            raise TypeError(f"{owner} is single-stream attention over [text; image]; it got encoder_hidden_states")
+        if attention_mask is not None:
+            raise ValueError(f"{owner} cannot apply an attention mask to linear attention")
+        self.bind(attn)
+        return self.layer(hidden_states, layout=layout, rotary=image_rotary_emb)
+
+
+def reference_single_attention(
+    carried: CarriedSingleStreamAttention, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Softmax attention over one sequence [B, S, C] written out from `carried` (norms, then rotary (cos, sin)
+    [S, d] with interleaved pairs): [B, S, M·d], unprojected."""
+    B, S, _ = x.shape
+    M, d = carried.num_heads, carried.head_dim
+    q, k, v = carried.qkv(x).view(B, S, 3, M, d).permute(2, 0, 3, 1, 4).unbind(0)  # [B, M, S, d]
+    q, k = carried.q_norm(q), carried.k_norm(k)
+    if rotary is not None:
+        q, k = (rotate(t, *rotary) for t in (q, k))
+    weights = torch.softmax((q @ k.transpose(-1, -2)) * d**-0.5, dim=-1)
+    return (weights @ v).transpose(1, 2).reshape(B, S, M * d)
+
+
 def random_rotary(num_tokens: int, head_dim: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [S, d] of random angles, pairs interleaved as Flux's `FluxPosEmbed` gives them."""
     angles = torch.rand(num_tokens, head_dim // 2, generator=generator, dtype=torch.float64) * 6.3
@@ -112,3 +151,26 @@ def flux_verification_error(attn: nn.Module, carried: CarriedJointAttention) -> 
         raise TypeError("the Flux attention did not return (image output, text output)")
     got = reference_joint_attention(carried, image, text, image_first=False, rotary=(cos, sin))
     return max(_relative(g, e) for g, e in zip(got, expected, strict=True))
+
+
+@torch.no_grad()
+def single_verification_error(attn: nn.Module, carried: CarriedSingleStreamAttention) -> float | None:
+    """Relative error of a Flux single-stream attention's output against the written-out reference (random
+    rotary embedding), on a random [text; image] probe in float32 at least."""
+    weight = next(attn.parameters())
+    if weight.is_meta:
+        return None
+    attn, carried = float32_copy(attn, carried)
+    weight = next(attn.parameters())
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 22, carried.dim, generator=generator).to(weight)
+    cos, sin = (t.to(weight) for t in random_rotary(22, carried.head_dim, generator))
+    was_training = attn.training
+    attn.eval()
+    try:
+        expected = attn(hidden_states=x, image_rotary_emb=(cos, sin))
+    finally:
+        attn.train(was_training)
+    if not isinstance(expected, torch.Tensor):
+        raise TypeError("the Flux single-stream attention did not return one tensor")
+    return _relative(reference_single_attention(carried, x, (cos, sin)), expected)

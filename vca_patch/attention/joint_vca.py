@@ -11,6 +11,10 @@ depthwise term reads the image values. Softmax attention does not depend on wher
 Flux's rotary embedding is kept: every query and key is rotated after its norm, and the contrast tokens are
 pooled from the rotated image queries ("pooled") or pooled un-rotated and rotated at their cell's centre
 ("centre"; identical for one-token cells), see `rope_contrast`.
+
+Flux's single-stream blocks attend over one [text; image] sequence with one set of q/k/v projections and norms and
+no output projection inside the attention (the block's `proj_out` mixes it with the MLP branch):
+`SingleStreamVisualContrastAttention` runs the same joint VCA over that sequence, text as exact prefix tokens.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ IMAGE_NORMS = {"norm_q": "q_norm", "norm_k": "k_norm"}
 # How contrast tokens get a rotary embedding (Flux): "centre": pooled from the un-rotated queries, then rotated at
 # their cell's centre; "pooled": pooled from the rotated queries.
 RopeContrast = Literal["centre", "pooled"]
-DEFAULT_ROPE_CONTRAST: RopeContrast = "pooled"  # measured slightly closer to the teacher (see README)
+DEFAULT_ROPE_CONTRAST: RopeContrast = "pooled"  # measured marginally closer to the teacher (VCAConfig.rope_contrast)
 
 
 @dataclass
@@ -203,6 +207,91 @@ class JointVisualContrastAttention(VisualContrastAttention):
             cos, sin = inputs.centre
             tokens = rotate(tokens, cos.repeat(2, 1), sin.repeat(2, 1))
         return tokens
+
+
+class NoOutputProjection(nn.Identity):
+    """Stands in for the output projection of an attention that has none (Flux single-stream attention: the
+    block's `proj_out` reads the attention output together with the MLP branch)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.in_features = self.out_features = features
+
+
+@dataclass
+class CarriedSingleStreamAttention(CarriedAttention):
+    """Carried weights of a single-stream joint attention (Flux `single_transformer_blocks.*.attn`): one q/k/v
+    for text and image tokens, per-head norms `q_norm`/`k_norm`, no output projection (`NoOutputProjection`)."""
+
+    def instantiate(self, layer_cls: type[nn.Module], **kwargs: Any) -> nn.Module:
+        """VCA only, with the text tokens as exact prefix tokens."""
+        if layer_cls is not VisualContrastAttention:
+            raise TypeError(
+                f"single-stream joint attention converts to VCA only (target 'vca'), not {layer_cls.__name__}"
+            )
+        kwargs["prefix_readout"] = "exact"
+        norms = {"norm_q": self.q_norm, "norm_k": self.k_norm}
+        plain = CarriedAttention(self.qkv, self.proj, self.num_heads, self.head_dim, proj_drop=self.proj_drop)
+        layer = CarriedAttention.instantiate(plain, SingleStreamVisualContrastAttention, **kwargs)
+        for name, module in norms.items():
+            if not isinstance(module, nn.Identity):
+                layer._carry(name, module)
+        layer.prefix_readout = "exact"
+        layer.rope_contrast = DEFAULT_ROPE_CONTRAST
+        return layer
+
+
+class SingleStreamVisualContrastAttention(JointVisualContrastAttention):
+    """Joint VCA over one sequence [B, L + N, C] of L text tokens then N image tokens on an H×W grid, sharing
+    q/k/v projections and norms (Flux single-stream blocks).
+
+    Called as `layer(x, layout=None, rotary=None) -> [B, L + N, attn_dim]`, unprojected (the attention has no output
+    projection); the layout is the image grid (no prefix) and L = x.shape[1] − H·W. Text rows are exact: they
+    read all L + N keys with softmax attention. The norms are carried as `norm_q`/`norm_k` and applied before the
+    rotation, as diffusers does.
+    """
+
+    def stream_members(self) -> tuple[str, ...]:
+        return tuple(name for name in IMAGE_NORMS if name in self._modules)
+
+    def forward(  # type: ignore[override]
+        self,
+        x: torch.Tensor,
+        *,
+        layout: TokenLayout | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """rotary: (cos, sin) [L + N, d] in the sequence's order, applied to q and k after the norms."""
+        owner = type(self).__name__
+        if x.ndim != 3:
+            raise ValueError(f"{owner} takes [B, L + N, C] tokens, got shape {tuple(x.shape)}")
+        if layout is None:
+            if self.layout_source is None:
+                raise ValueError(f"{owner} needs the image grid: pass layout=TokenLayout(0, (H, W)) or patch the model")
+            layout = self.layout_source()
+        if layout.num_prefix_tokens:
+            raise ValueError(f"{owner} takes the image grid as its layout (no prefix), got {layout}")
+        L = x.shape[1] - layout.num_patches
+        if L < 0:
+            raise ValueError(f"{owner} got {x.shape[1]} tokens, fewer than the {layout.grid} image grid's")
+        joint = TokenLayout(L, layout.grid)
+        q, k, v = self.project_qkv(x)  # [B, M, L + N, d]
+        q, k = self._norm("norm_q", q), self._norm("norm_k", k)
+        inputs = JointInputs(x[:, L:])
+        if rotary is not None:
+            cos, sin = rotary
+            if cos.shape[0] != x.shape[1]:
+                raise ValueError(f"rotary embedding has {cos.shape[0]} positions for {L} + {layout.num_patches} tokens")
+            plain_q = q
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            centre = self.centre_rotary(layout, x.device) if self.rope_contrast == "centre" else None
+            inputs = JointInputs(x[:, L:], None if centre is None else plain_q, centre, rotated=True)
+        trains = q.requires_grad or v.requires_grad or self.contrast_embed_pos.requires_grad
+        if self.recompute_in_backward and torch.is_grad_enabled() and trains:
+            o = checkpoint(self.attend, inputs, q, k, v, joint, use_reentrant=False)
+        else:
+            o = self.attend(inputs, q, k, v, joint)  # [B, L + N, attn_dim]: no output projection
+        return record_layout(o, layout)
 
 
 class JointInputs(NamedTuple):

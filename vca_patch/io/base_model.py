@@ -55,7 +55,9 @@ def is_transformers_source(name: str) -> bool:
     """A local transformers model folder, or an ORG/NAME Hub id (timm names have no slash)."""
     folder = Path(name)
     if folder.is_dir():
-        return (folder / "config.json").is_file()
+        from ..adapters.diffusers_source import local_transformer_folder
+
+        return (folder / "config.json").is_file() and local_transformer_folder(folder) is None  # not diffusers'
     return "/" in name and not name.startswith(HUB_PREFIX) and not name.startswith((".", "/"))
 
 
@@ -127,7 +129,9 @@ def load_transformers_model(name: str, *, pretrained: bool = True, weights: Path
         config = transformers.AutoConfig.from_pretrained(name, local_files_only=reason is not None)
     except (OSError, ValueError) as exc:
         if reason:
-            raise _offline_error(f"the config of {name}", reason) from exc
+            error = _offline_error(f"the config of {name}", reason)
+            raise HubUnavailableError(f"{error} (A diffusers model: pass its local folder, with model_index.json and "
+                                      "transformer/.)") from exc  # fmt: skip
         raise UnknownModelError(f"{name} is neither a timm name nor a transformers model: {exc}") from exc
     if config.architectures:
         try:
@@ -165,6 +169,12 @@ def load_base_model(
     checkpoint can record (config_guard.TIMM_MODEL_ARGS): weights come from `weights`, never from a
     `checkpoint_path` or `pretrained_cfg_overlay`.
     """
+    from ..adapters.diffusers_source import is_diffusers_source, load_diffusers_transformer
+
+    if is_diffusers_source(name):
+        if model_args:
+            raise TypeError(f"{name} is a diffusers model: no img_size or other timm model_args (any latent size runs)")
+        return load_diffusers_transformer(name, pretrained=pretrained, weights=weights)
     if is_transformers_source(name):
         if model_args:
             raise ValueError(f"model_args are timm constructor options; {name} is a transformers model")
