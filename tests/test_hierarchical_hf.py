@@ -239,17 +239,10 @@ def test_pvt_save_and_reload_round_trip(tmp_path):
         assert torch.equal(again(x).logits, model.eval()(x).logits)
 
 
-def test_pvt_linear_attention_and_pvt_v1_are_skipped_with_the_reason():
+def test_pvt_linear_attention_is_skipped_with_the_reason():  # PVT v1: tests/test_hierarchical_pvt_v1.py
     linear = transformers.PvtV2Model(transformers.PvtV2Config(**PVT, linear_attention=True))
     with pytest.raises(NothingToPatchError, match="linear attention already"):
         inspect_model(linear)
-    v1 = transformers.PvtModel(transformers.PvtConfig(hidden_sizes=[16, 32], depths=[1, 1], num_encoder_blocks=2,
-                                                     num_attention_heads=[1, 2], sequence_reduction_ratios=[4, 2],
-                                                     patch_sizes=[4, 2], strides=[4, 2], mlp_ratios=[2, 2],
-                                                     image_size=32))  # fmt: skip
-    assert isinstance(adapter_for(v1), HFPvtAdapter)
-    with pytest.raises(NothingToPatchError, match="PVT v1"):
-        inspect_model(v1)
 
 
 def test_output_attentions_is_refused_with_the_reason(pvt, swin):
@@ -438,8 +431,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(family):
     assert all(torch.allclose(grads[0][n], grads[1][n], rtol=1e-4, atol=1e-6) for n in grads[0])
 
 
-def test_swinv2_is_skipped_with_the_reason():
+def test_swinv2_goes_to_the_swin_adapter():  # converted since issue 17: tests/test_hierarchical_swinv2.py
     model = transformers.Swinv2Model(transformers.Swinv2Config(**SWIN))
     assert isinstance(adapter_for(model), HFSwinAdapter)
-    with pytest.raises(NothingToPatchError, match="Swinv2 is not supported yet"):
-        inspect_model(model)
+    assert [s.path.endswith(".attention.self") for s in inspect_model(model).patched] == [True] * 4

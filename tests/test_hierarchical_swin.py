@@ -11,7 +11,7 @@ import torch
 import vca_patch
 from tests.models import trained_a_little
 from tests.reference_hierarchical import partition, reference_window_attention, reference_windowed_vca
-from vca_patch import NothingToPatchError, PatchError, VCAConfig, VisualContrastAttention, patch_model, unpatch_model
+from vca_patch import PatchError, VCAConfig, VisualContrastAttention, patch_model, unpatch_model
 from vca_patch.adapters.timm_swin import BlockWindowEnd, BlockWindowHook
 from vca_patch.attention.window_call import WindowCall
 from vca_patch.attention.window_vca import WindowedVCA
@@ -204,11 +204,10 @@ def test_a_layer_called_outside_its_block_says_why(swin):
         model.layers[0].blocks[0].attn(torch.randn(16, 16, 16))
 
 
-def test_mano_target_is_refused(swin):
+def test_mano_target_builds_windowed_multipole(swin):  # MANO on Swin since issue 17: tests/test_mano_swin.py
     from vca_patch import MANOConfig
 
-    with pytest.raises(NothingToPatchError, match="converts to VCA only"):
-        inspect_model(swin, MANOConfig())
+    assert {s.settings["mode"] for s in inspect_model(swin, MANOConfig()).patched} == {"multipole"}
 
 
 def test_vca_core_is_the_plain_layer(swin):

@@ -8,6 +8,7 @@ from .base import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite
 from .diffusers_dit import DiffusersDiTAdapter
 from .generic import GenericAdapter
 from .hf_pvt import HFPvtAdapter
+from .hf_pvt_v1 import HFPvtV1Adapter
 from .hf_swin import HFSwinAdapter
 from .hf_vision import HFVisionAdapter
 from .timm_pvt import TimmPVTAdapter
@@ -16,7 +17,7 @@ from .timm_vit import TimmViTAdapter
 
 # First match wins: the family adapters before generic detection.
 _ORDER = (
-    TimmViTAdapter, TimmPVTAdapter, TimmSwinAdapter, HFPvtAdapter, HFSwinAdapter, HFVisionAdapter,
+    TimmViTAdapter, TimmPVTAdapter, TimmSwinAdapter, HFPvtAdapter, HFPvtV1Adapter, HFSwinAdapter, HFVisionAdapter,
     DiffusersDiTAdapter, GenericAdapter,
 )  # fmt: skip
 ADAPTERS: dict[str, type[ModelAdapter]] = {adapter.name: adapter for adapter in _ORDER}

@@ -9,11 +9,18 @@ checkpointing recomputes the layer, where hooks do not run). transformers pads t
 (timm shifts, then pads), so the windows are read with `PaddedShiftWindowCall`. Modes (`VCAConfig.swin_mode`):
 "residual" (default; the window attention kept, its `relative_position_bias` module carried whole under its name,
 plus a zero-gated global VCA branch: exact at init) and "global" (approximate: the bias, window locality and shift
-mask dropped). The last stage stays window softmax attention; Swinv2 is skipped with its reason.
+mask dropped). The last stage stays window softmax attention.
+
+`Swinv2Model`: the site is `attention.self` (`Swinv2SelfAttention`: `query`, `key`, `value`, `logit_scale`,
+`continuous_position_bias_mlp`); its output projection `attention.output.dense` stays where it is, after the
+replacement (whose own projection is the identity: the residual gate then acts before `dense`). Cosine attention
+is kept as in timm's SwinV2 (`timm_swin`). `Swinv2Layer` never clamps its window at run time; its `maybe_pad`,
+called first in every forward (recomputations included), records the call's grid (`RecordingPad`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -21,24 +28,23 @@ import torch
 from torch import nn
 
 from ..attention import TokenLayout
+from ..attention.cosine_window_carry import CarriedCosineWindowAttention
 from ..attention.fused_qkv import SplitQKV
 from ..attention.staged_carry import CarriedWindowAttention
 from ..attention.window_call import WindowCall, close_window_call, current_window_call, open_window_call
+from ..attention.window_terms import PassThroughProjection
 from ..attention.windows import pad_grid, window_merge, window_partition
 from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note, remove_hooks
 from .call_shims import TupleOutput
 from .hf_vision import HFVisionAdapter
-from .timm_swin import GLOBAL_MODE_NOTE, LAST_STAGE_REASON, reference_window_attention
+from .timm_swin import COSINE_GLOBAL_MODE_NOTE, GLOBAL_MODE_NOTE, LAST_STAGE_REASON, reference_window_attention
 from .verify import TOLERANCE, float32_copy
 
 _SWIN_MODULE = "transformers.models.swin.modeling_swin"
 _SWINV2_MODULE = "transformers.models.swinv2.modeling_swinv2"
-_SITE = re.compile(r"(?:^|\.)layers\.(\d+)\.blocks\.(\d+)\.attention$")
+_SITE = re.compile(r"(?:^|\.)layers\.(\d+)\.blocks\.(\d+)\.attention(\.self)?$")
+_SITE_CLASSES = {"SwinAttention": False, "Swinv2SelfAttention": True}  # class -> the site is `attention.self`
 _IGNORED_KWARGS = ("output_attentions", "output_hidden_states", "return_dict", "layout")
-SWINV2_REASON = (
-    "transformers Swinv2 is not supported yet (cosine attention with a continuous position bias, split "
-    "self/output modules); use SwinModel or timm's swinv2_*"
-)
 
 
 class PaddedShiftWindowCall(WindowCall):
@@ -106,6 +112,19 @@ class RecordingClamp:
         open_window_call(self.hook, PaddedShiftWindowCall(grid, (window, window), (shift, shift)))
 
 
+class RecordingPad:
+    """Instance override of `Swinv2Layer.maybe_pad`: opens the call's window scope from the unpadded grid, then runs
+    the layer's own method (the first thing its forward does, also when gradient checkpointing recomputes it)."""
+
+    def __init__(self, block: nn.Module, hook: SwinLayerWindowHook) -> None:
+        self.block, self.hook = block, hook
+
+    def __call__(self, hidden_states: torch.Tensor, height: int, width: int):
+        window, shift = int(self.block.window_size), int(self.block.shift_size)
+        open_window_call(self.hook, PaddedShiftWindowCall((int(height), int(width)), (window, window), (shift, shift)))
+        return type(self.block).maybe_pad(self.block, hidden_states, height, width)
+
+
 class SwinLayerWindowEnd:
     """Forward hook (always called) on a `SwinLayer`: its window-call scope ends with it."""
 
@@ -123,6 +142,8 @@ class SwinCallShim:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
         x = args[0] if args else kwargs.pop("hidden_states")
         mask = args[1] if len(args) > 1 else kwargs.pop("attention_mask", None)
+        if len(args) > 2:  # Swinv2Attention calls self(hidden_states, attention_mask, output_attentions)
+            kwargs["output_attentions"] = args[2]
         asked = sorted(k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and v is not None and v is not False)
         if asked or kwargs.get("output_attentions"):
             raise TypeError(
@@ -132,10 +153,16 @@ class SwinCallShim:
         return (x, mask), {}
 
 
+def _block_path(site_path: str) -> str:
+    """The `SwinLayer`/`Swinv2Layer` holding a site (`...blocks.j.attention` or `...blocks.j.attention.self`)."""
+    return site_path.removesuffix(".self").rpartition(".")[0]
+
+
 class HFSwinAdapter(ModelAdapter):
     """Converts transformers Swin window attention to `WindowedVCA`; see the module docstring."""
 
     name = "hf-swin"
+    layers_run_alone = False  # grid/windows come from block hooks
 
     def __init__(self) -> None:
         self._stages: dict[str, tuple[int, dict[str, Any]]] = {}  # site path -> (stage, report settings)
@@ -148,27 +175,23 @@ class HFSwinAdapter(ModelAdapter):
     def find_sites(self, model: nn.Module) -> tuple[list[AttentionSite], list[SkippedSite]]:
         sites: list[AttentionSite] = []
         skipped: list[SkippedSite] = []
-        if type(model).__module__ == _SWINV2_MODULE:
-            for path, module in model.named_modules():
-                if _SITE.search(path):
-                    skipped.append(SkippedSite(path, type(module).__name__, SWINV2_REASON))
-            return sites, skipped
         last = len(model.config.depths) - 1
         index = 0
         for path, attn in model.named_modules():
             match = _SITE.search(path)
-            if match is None or type(attn).__name__ != "SwinAttention":
+            nested = _SITE_CLASSES.get(type(attn).__name__)
+            if match is None or nested is None or nested != bool(match.group(3)):
                 continue
             stage = int(match.group(1))
             if stage == last and last > 0:
                 skipped.append(SkippedSite(path, type(attn).__name__, LAST_STAGE_REASON))
             else:
-                block = model.get_submodule(path.rpartition(".")[0])
+                block = model.get_submodule(_block_path(path))
                 grid = tuple(int(g) for g in block.input_resolution)
                 window, _ = _window_and_shift(block, grid)
                 self._stages[path] = (stage, {"stage": stage, "grid": list(grid), "window": [window, window]})
                 notes = list(filter(None, [attention_dropout_note(attn)]))
-                dim = attn.q_proj.in_features
+                dim = (attn.query if nested else attn.q_proj).in_features
                 sites.append(AttentionSite(path, attn, index, dim, attn.num_attention_heads, notes))
             index += 1
         return sites, skipped
@@ -189,6 +212,14 @@ class HFSwinAdapter(ModelAdapter):
     def carry(self, site: AttentionSite) -> CarriedWindowAttention:
         attn = site.module
         stage, settings = self._stages[site.path]
+        if type(attn).__name__ == "Swinv2SelfAttention":  # its output projection stays outside, in attention.output
+            return CarriedCosineWindowAttention(
+                qkv=SplitQKV(attn, ("query", "key", "value")), proj=PassThroughProjection(attn.all_head_size),
+                num_heads=attn.num_attention_heads, head_dim=attn.attention_head_size, stage=stage, settings=settings,
+                logit_scale=attn.logit_scale, position_mlp=attn.continuous_position_bias_mlp,
+                coords_table=attn.relative_coords_table, position_index=attn.relative_position_index,
+                cosine_names=("logit_scale", "continuous_position_bias_mlp"),
+            )  # fmt: skip
         bias = attn.relative_position_bias
         return CarriedWindowAttention(
             qkv=SplitQKV(attn), proj=attn.o_proj, proj_name="o_proj", num_heads=attn.num_attention_heads,
@@ -199,21 +230,24 @@ class HFSwinAdapter(ModelAdapter):
     def adapt_call(self, replacement: nn.Module, site: AttentionSite) -> None:
         """The layer calls `attention(windows, mask)` as before; the replacement reads the grid from the
         `SwinLayer`'s hook (installed with the layout tracker) and returns `(output, None)`."""
-        block_path = site.path.rpartition(".")[0]
-        hook = self._hooks.setdefault(block_path, SwinLayerWindowHook())
+        hook = self._hooks.setdefault(_block_path(site.path), SwinLayerWindowHook())
         replacement.window_source = hook.current
         replacement.register_forward_pre_hook(SwinCallShim(), with_kwargs=True)
         replacement.register_forward_hook(TupleOutput())
-        if replacement.mode == "global" and GLOBAL_MODE_NOTE not in site.notes:
-            site.notes.append(GLOBAL_MODE_NOTE)
+        note = COSINE_GLOBAL_MODE_NOTE if replacement.cosine else GLOBAL_MODE_NOTE
+        if replacement.mode == "global" and note not in site.notes:
+            site.notes.append(note)
 
     def install_layout_tracker(self, model: nn.Module):
         tracker = super().install_layout_tracker(model)
         for block_path, hook in self._hooks.items():
             block = model.get_submodule(block_path)
-            block.register_forward_pre_hook(hook, with_kwargs=True)
             block.register_forward_hook(SwinLayerWindowEnd(hook), always_call=True)
-            block.set_shift_and_window_size = RecordingClamp(block, hook)
+            if hasattr(block, "set_shift_and_window_size"):  # Swin
+                block.register_forward_pre_hook(hook, with_kwargs=True)
+                block.set_shift_and_window_size = RecordingClamp(block, hook)
+            else:  # Swinv2
+                block.maybe_pad = RecordingPad(block, hook)
         return tracker
 
     @staticmethod
@@ -222,20 +256,24 @@ class HFSwinAdapter(ModelAdapter):
         for module in model.modules():
             if isinstance(module.__dict__.get("set_shift_and_window_size"), RecordingClamp):
                 del module.__dict__["set_shift_and_window_size"]
+            if isinstance(module.__dict__.get("maybe_pad"), RecordingPad):
+                close_window_call(module.__dict__.pop("maybe_pad").hook)
         for hook in remove_hooks(model, (SwinLayerWindowHook,), pre=True):
             close_window_call(hook)
         remove_hooks(model, (SwinLayerWindowEnd,))
 
     @torch.no_grad()
     def verify(self, site: AttentionSite) -> AttentionSite:
-        """The module must equal window attention built from its q/k/v, bias table and o_proj, under a mask."""
+        """The module must equal window attention built from its q/k/v, bias table and o_proj (Swinv2: cosine scores,
+        logit scale and CPB, no projection), under a mask."""
         module = site.module
         weight = next(module.parameters())
         if weight.is_meta:
             return site
         carried = self.carry(site)
         module, carried = float32_copy(module, carried)  # checked in float32
-        window = module.relative_position_bias.window_area
+        v2 = hasattr(module, "window_size")
+        window = math.prod(module.window_size) if v2 else module.relative_position_bias.window_area
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(2 * 3, window, site.dim, generator=generator).to(next(module.parameters()))
         mask = torch.where(torch.rand(3, window, window, generator=generator) < 0.3, -100.0, 0.0).to(x)

@@ -1,21 +1,28 @@
-"""timm Swin (`swin_*`): shifted-window attention converted to `WindowedVCA` in stages 1…S−1 (the paper's AAAB).
+"""timm Swin (`swin_*`) and SwinV2 (`swinv2_*`): shifted-window attention converted to `WindowedVCA` in stages
+1…S−1 (the paper's AAAB).
 
 The replacement stays where `WindowAttention` was and is called on the block's windows; a hook on each patched
 block records the call's grid, window and shift (`WindowCall`), from which the layer rebuilds the full grid. The
 last stage stays window softmax attention. Modes (`VCAConfig.swin_mode`): "residual" (default; the window
 attention kept, its bias table and shift mask included, plus a zero-gated global VCA branch: exact at init) and
 "global" (global VCA on the stage's full grid; the relative-position bias, window locality and shift mask are
-dropped: approximate). λ_init follows the global block index over all stages.
+dropped: approximate). λ_init follows the global block index over all stages. SwinV2's cosine attention keeps its
+form (logit scale carried, normalised queries pooled); its continuous position bias (`cpb_mlp`) is kept by the
+residual mode and dropped by the global one.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..attention import TokenLayout
+from ..attention.cosine_window_carry import CarriedCosineWindowAttention
+from ..attention.fused_qkv import QKVWithSeparateBias
 from ..attention.staged_carry import CarriedWindowAttention
 from ..attention.window_call import WindowCall, close_window_call, current_window_call, open_window_call
 from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note, remove_hooks
@@ -23,10 +30,15 @@ from .timm_base import create_timm_base, describe_timm_base
 from .verify import TOLERANCE, float32_copy
 
 _RECORDED_ARGS = ("num_classes", "global_pool")
+_MODULES = ("timm.models.swin_transformer", "timm.models.swin_transformer_v2")
 LAST_STAGE_REASON = "last stage stays window attention (the paper's placement: VCA in stages 1-3)"
 GLOBAL_MODE_NOTE = (
     "swin_mode='global': relative-position bias, window locality and shift mask dropped "
     "(global VCA over the stage's full grid)"
+)
+COSINE_GLOBAL_MODE_NOTE = (
+    "swin_mode='global': continuous position bias (CPB MLP), window locality and shift mask dropped "
+    "(global cosine VCA over the stage's full grid)"
 )
 
 
@@ -53,12 +65,20 @@ class BlockWindowEnd:
 
 
 def reference_window_attention(carried: CarriedWindowAttention, x: torch.Tensor, mask: torch.Tensor | None):
-    """W-MSA from `carried`'s weights, written out: softmax(s·q·kᵀ + bias + mask)·v, proj. x [B·nW, N, C]."""
+    """W-MSA from `carried`'s weights, written out: softmax(s·q·kᵀ + bias + mask)·v, proj. x [B·nW, N, C].
+    SwinV2 (`CarriedCosineWindowAttention`): softmax(L·q̂·k̂ᵀ + 16σ(CPB) + mask)·v, L = exp(min(logit_scale, ln 100))."""
     B_, N, _ = x.shape
     M, d = carried.num_heads, carried.head_dim
     q, k, v = carried.qkv(x).view(B_, N, 3, M, d).permute(2, 0, 3, 1, 4).unbind(0)
-    bias = carried.bias_table[carried.bias_index.reshape(-1)].reshape(N, N, M).permute(2, 0, 1)
-    logits = (q @ k.transpose(-1, -2)) * d**-0.5 + bias
+    if isinstance(carried, CarriedCosineWindowAttention):
+        coords = carried.coords_table.to(x.dtype)  # a buffer: a float32 copy of a half module re-creates it
+        table = 16 * torch.sigmoid(carried.position_mlp(coords).reshape(-1, M))
+        bias = table[carried.position_index.reshape(-1)].reshape(N, N, M).permute(2, 0, 1)
+        scale = torch.clamp(carried.logit_scale, max=math.log(100.0)).exp()  # [M, 1, 1]
+        logits = (F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-1, -2)) * scale + bias
+    else:
+        bias = carried.bias_table[carried.bias_index.reshape(-1)].reshape(N, N, M).permute(2, 0, 1)
+        logits = (q @ k.transpose(-1, -2)) * d**-0.5 + bias
     if mask is not None:
         logits = (logits.view(-1, mask.shape[0], M, N, N) + mask[None, :, None]).view(B_, M, N, N)
     return carried.proj((torch.softmax(logits, -1) @ v).transpose(1, 2).reshape(B_, N, M * d))
@@ -68,6 +88,7 @@ class TimmSwinAdapter(ModelAdapter):
     """Converts timm Swin window attention to `WindowedVCA`; see the module docstring."""
 
     name = "timm-swin"
+    layers_run_alone = False  # grid/windows come from block hooks
 
     def __init__(self) -> None:
         self._stages: dict[str, tuple[int, dict[str, Any]]] = {}  # site path -> (stage, report settings)
@@ -75,7 +96,7 @@ class TimmSwinAdapter(ModelAdapter):
 
     @classmethod
     def applies_to(cls, model: nn.Module) -> bool:
-        return type(model).__module__ == "timm.models.swin_transformer" and hasattr(model, "layers")
+        return type(model).__module__ in _MODULES and hasattr(model, "layers")
 
     def find_sites(self, model: nn.Module) -> tuple[list[AttentionSite], list[SkippedSite]]:
         sites: list[AttentionSite] = []
@@ -106,6 +127,14 @@ class TimmSwinAdapter(ModelAdapter):
     def carry(self, site: AttentionSite) -> CarriedWindowAttention:
         attn = site.module
         stage, settings = self._stages[site.path]
+        if hasattr(attn, "logit_scale"):  # SwinV2: qkv + q_bias/v_bias, cosine attention, CPB
+            qkv = attn.qkv if attn.q_bias is None else QKVWithSeparateBias(attn)
+            return CarriedCosineWindowAttention(
+                qkv=qkv, proj=attn.proj, num_heads=attn.num_heads,
+                head_dim=attn.qkv.out_features // 3 // attn.num_heads, proj_drop=attn.proj_drop, stage=stage,
+                settings=settings, logit_scale=attn.logit_scale, position_mlp=attn.cpb_mlp,
+                coords_table=attn.relative_coords_table, position_index=attn.relative_position_index,
+            )  # fmt: skip
         return CarriedWindowAttention(
             qkv=attn.qkv, proj=attn.proj, num_heads=attn.num_heads,
             head_dim=attn.qkv.out_features // 3 // attn.num_heads, proj_drop=attn.proj_drop, stage=stage,
@@ -118,8 +147,9 @@ class TimmSwinAdapter(ModelAdapter):
         block_path = site.path.rpartition(".")[0]
         hook = self._hooks.setdefault(block_path, BlockWindowHook())
         replacement.window_source = hook.current
-        if replacement.mode == "global" and GLOBAL_MODE_NOTE not in site.notes:
-            site.notes.append(GLOBAL_MODE_NOTE)
+        note = COSINE_GLOBAL_MODE_NOTE if replacement.cosine else GLOBAL_MODE_NOTE
+        if replacement.mode == "global" and note not in site.notes:
+            site.notes.append(note)
 
     def install_layout_tracker(self, model: nn.Module):
         tracker = super().install_layout_tracker(model)
@@ -138,14 +168,15 @@ class TimmSwinAdapter(ModelAdapter):
 
     @torch.no_grad()
     def verify(self, site: AttentionSite) -> AttentionSite:
-        """The module must equal window attention built from its qkv, bias table and proj, under a shift mask."""
+        """The module must equal window attention built from its qkv, bias table (SwinV2: cosine scores, logit scale
+        and CPB) and proj, under a shift mask."""
         module = site.module
         weight = next(module.parameters())
         if weight.is_meta:
             return site
         carried = self.carry(site)
         module, carried = float32_copy(module, carried)  # checked in float32
-        window = module.window_area
+        window = module.window_size[0] * module.window_size[1]
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(2 * 3, window, site.dim, generator=generator).to(next(module.parameters()))
         mask = torch.where(torch.rand(3, window, window, generator=generator) < 0.3, -100.0, 0.0).to(x)

@@ -221,25 +221,30 @@ class MultipoleAttention(CarriedAttentionLayer):
         if len(levels) == 1:
             return record_layout(self.proj_drop(y), layout)
 
-        # Coarse levels: coarsen the level inputs, attend within windows, project (grid tokens only).
-        x_level = x[:, P:].transpose(1, 2).reshape(B, C, H, W)
+        correction = self.coarse_correction(x[:, P:].transpose(1, 2).reshape(B, C, H, W), levels)  # [B, C', H, W]
+        y = torch.cat([y[:, :P], y[:, P:] + grid_to_tokens(correction)], dim=1)
+        return record_layout(self.proj_drop(y), layout)  # for a recomputation under gradient checkpointing
+
+    def coarse_correction(self, x_level: torch.Tensor, levels: list[Level]) -> torch.Tensor:
+        """The coarse levels' V-cycle term w₀·U(Z¹) (times γ with nearest U) on the level-0 grid: x [B, C, H, W] ->
+        [B, C', H, W]. Each level coarsens the one above, attends within its windows and projects (grid tokens)."""
+        B = x_level.shape[0]
         coarse: list[torch.Tensor] = []
         for level in levels[1:]:
             x_level = self._down(x_level)  # [B, C, H_ℓ, W_ℓ]
             tokens = grid_to_tokens(x_level)  # [B, H_ℓ*W_ℓ, C]
             y_level = self._project(self._window_attention(*self._qkv(tokens), level), tokens)  # [B, H_ℓ*W_ℓ, C']
-            coarse.append(y_level.transpose(1, 2).reshape(B, -1, *level.grid))
+            coarse.append(y_level.transpose(1, 2).reshape(B, y_level.shape[-1], *level.grid))  # B may be 0
 
-        # V-cycle, coarse to fine: Z^ℓ = Y^ℓ + w_ℓ·U(Z^{ℓ+1}); the level-0 term is added to the grid rows.
+        # V-cycle, coarse to fine: Z^ℓ = Y^ℓ + w_ℓ·U(Z^{ℓ+1}); the caller adds the level-0 term.
         weights = vcycle_weights(len(levels))
         z = coarse[-1]
         for index in range(len(levels) - 2, 0, -1):
             z = coarse[index - 1] + weights[index] * self._up(z, levels[index].grid)
-        correction = weights[0] * self._up(z, (H, W))  # [B, C', H, W]
+        correction = weights[0] * self._up(z, levels[0].grid)  # [B, C', H, W]
         if self.up_gain is not None:
             correction = correction * self.up_gain.view(1, -1, 1, 1).to(correction.dtype)
-        y = torch.cat([y[:, :P], y[:, P:] + grid_to_tokens(correction)], dim=1)
-        return record_layout(self.proj_drop(y), layout)  # for a recomputation under gradient checkpointing
+        return correction
 
     def extra_repr(self) -> str:
         levels = "auto" if self.levels is None else self.levels

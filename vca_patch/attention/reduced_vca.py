@@ -69,9 +69,16 @@ class SpatialReductionVCA(VisualContrastAttention):
         *,
         layout: TokenLayout | None = None,
     ) -> torch.Tensor:
-        """x: [B, H·W, C] on the grid `feat_size` = (H, W) (or `layout`) -> [B, H·W, C_out]."""
+        """x: [B, P + H·W, C] on the grid `feat_size` = (H, W) (or `layout`) -> [B, P + H·W, C_out].
+
+        Tokens beyond the grid's H·W are prefix tokens in front (PVT v1's last-stage CLS): they take part without
+        a reduction only."""
         if feat_size is not None:
-            layout = TokenLayout(0, (int(feat_size[0]), int(feat_size[1])))
+            grid = (int(feat_size[0]), int(feat_size[1]))
+            prefix = x.shape[1] - grid[0] * grid[1]
+            if prefix < 0:
+                raise ValueError(f"{type(self).__name__}: {x.shape[1]} tokens do not fill the {grid[0]}x{grid[1]} grid")
+            layout = TokenLayout(prefix, grid)
         if self.sr is None:
             return super().forward(x, layout=layout)
         layout = resolve_layout(type(self).__name__, x.shape[1], layout, self.layout_source)

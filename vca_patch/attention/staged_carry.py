@@ -56,17 +56,37 @@ class StagedCarriedAttention(CarriedAttention):
 
 @dataclass
 class CarriedReductionAttention(StagedCarriedAttention):
-    """PVT spatial-reduction attention: q/kv (as a `QAndKV` view), proj and the reduction `sr` + `norm`."""
+    """PVT spatial-reduction attention: q/kv (as a `QAndKV` view), proj and the reduction `sr` + `norm`.
+
+    Modes (`VCAConfig.pvt_mode`): "carry" keeps the reduction (exact carry: Stage I over the reduced keys);
+    "paper" drops it (the paper's placement: global VCA over the full-resolution keys, `kv` then reads the block
+    input instead of the reduced grid it was trained on: approximate, `PAPER_MODE_NOTE`).
+    """
+
+    mode_option: ClassVar[str | None] = "pvt_mode"
 
     sr: nn.Module | None = None
     reduction_norm: nn.Module | None = None
     reduction_names: tuple[str, str] = ("sr", "norm")  # the original module's names for sr and its norm
 
     def build_vca(self, mode: str | None, **kwargs: Any) -> SpatialReductionVCA:
+        if mode not in (None, "carry", "paper"):
+            raise ValueError(f"pvt_mode must be 'carry' or 'paper', got {mode!r}")
         layer = self._build(SpatialReductionVCA, **kwargs)
+        if mode == "paper" and self.sr is not None:
+            layer.hierarchical_settings["mode"] = "reduction-dropped"
+            grid = layer.hierarchical_settings.get("grid", "").split(",")[0]  # "56x56, keys 7x7 (sr 8)" -> "56x56"
+            layer.hierarchical_settings["grid"] = f"{grid}, keys {grid} (sr dropped)"
+            return layer
         layer.carry_reduction(self.sr, self.reduction_norm, self.reduction_names)
         layer.hierarchical_settings["mode"] = "reduction-kept"
         return layer
+
+
+PAPER_MODE_NOTE = (
+    "pvt_mode='paper': spatial reduction (conv + LayerNorm) dropped, global VCA over the full-resolution keys "
+    "(kv reads the block input, not the reduced grid it was trained on: fine-tune)"
+)
 
 
 @dataclass

@@ -10,6 +10,12 @@ tokens and partitions the result back into the block's windows:
                                                              and mask): exact at init, a global path to train
 
 Both share the carried `qkv` and `proj`. The gate g is per output channel.
+
+SwinV2 (`carry_cosine`): the window attention is cosine attention, softmax(L·q̂·k̂ᵀ + 16σ(CPB) + mask), with a
+per-head scale L = exp(min(logit_scale, ln 100)) and a continuous position bias computed by an MLP from
+log-spaced relative coordinates. The VCA branch keeps the cosine form: q and k are L2-normalised per head, the
+pooled queries are renormalised and scaled by L (so Stage-I logits are L·cos, Stage-II logits L·τ·cos), and the
+SDPA scale is 1. The CPB is a window term: "global" drops it, "residual" keeps it in the window branch.
 """
 
 from __future__ import annotations
@@ -24,11 +30,19 @@ from torch import nn
 from .layout import TokenLayout
 from .vca import InitMode, VisualContrastAttention
 from .window_call import WindowCall
+from .window_terms import CarriedWindowTerms
 
 WindowMode = Literal["residual", "global"]
 
 
-class WindowedVCA(VisualContrastAttention):
+class UnitNorm(nn.Module):
+    """x / ‖x‖ over the last dimension (SwinV2's cosine attention normalises q and k per head)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(x, dim=-1)
+
+
+class WindowedVCA(CarriedWindowTerms, VisualContrastAttention):
     """VCA over a windowed block's full grid; `mode` "global" or "residual" (see the module docstring).
 
     `window_source` (set by the adapter) returns the current call's `WindowCall`. In "residual" mode the
@@ -54,35 +68,47 @@ class WindowedVCA(VisualContrastAttention):
             self.residual_gate.zero_()
 
     def carry_window_bias(self, table: nn.Parameter, index: torch.Tensor) -> None:
-        """Take the original relative-position bias table (a parameter) and its index (a non-persistent buffer)."""
-        if self.mode != "residual":
-            raise ValueError("only the residual mode keeps the window attention's bias")
-        self._carry("relative_position_bias_table", table)
-        self.register_buffer("relative_position_index", index, persistent=False)
+        """Take the original relative-position bias table and its index ("residual" mode only)."""
+        self._require_residual()
+        super().carry_window_bias(table, index)
 
     def carry_window_bias_module(self, name: str, module: nn.Module) -> None:
-        """Take the module that holds the bias table and its index (`relative_position_bias_table`,
-        `relative_position_index`) whole, under its original name (transformers' `relative_position_bias`)."""
+        """Take the module holding the bias table and its index whole, under `name` ("residual" mode only)."""
+        self._require_residual()
+        super().carry_window_bias_module(name, module)
+
+    def _require_residual(self) -> None:
         if self.mode != "residual":
             raise ValueError("only the residual mode keeps the window attention's bias")
-        self._carry(name, module)
-        self._bias_module_name = name
 
-    _bias_module_name: str | None = None
+    def carry_cosine(
+        self,
+        logit_scale: nn.Parameter,
+        position_mlp: nn.Module | None = None,
+        coords_table: torch.Tensor | None = None,
+        index: torch.Tensor | None = None,
+        names: tuple[str, str] = ("logit_scale", "cpb_mlp"),
+    ) -> None:
+        """Make this a SwinV2 (cosine attention) layer: the logit scale is kept in both modes, the CPB MLP (with its
+        coordinate table and pair index) in "residual" mode only; q and k are normalised, the SDPA scale is 1."""
+        if self.mode == "residual" and position_mlp is None:
+            raise ValueError("the residual mode keeps the window attention: it needs the CPB MLP, table and index")
+        residual = self.mode == "residual"
+        self.carry_cosine_terms(logit_scale, position_mlp if residual else None, coords_table, index, names)
+        self.q_norm, self.k_norm = UnitNorm(), UnitNorm()
+        self.scale = 1.0  # the per-head scale L rides on the pooled queries
 
-    def _bias_table_and_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._bias_module_name is not None:
-            owner = self._modules[self._bias_module_name]
-            return owner.relative_position_bias_table, owner.relative_position_index
-        return self._parameters["relative_position_bias_table"], self.relative_position_index
+    def pooled_queries(self, x: torch.Tensor, q: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """As VCA's; a cosine layer pools the normalised queries, renormalises each head and scales it by L."""
+        pooled = super().pooled_queries(x, q, layout)
+        if not self.cosine:
+            return pooled
+        B, n, _ = pooled.shape
+        heads = F.normalize(pooled.view(B, n, self.num_heads, self.head_dim), dim=-1)
+        return (heads * self.logit_scale().to(heads.dtype).view(1, 1, -1, 1)).reshape(B, n, self.attn_dim)
 
-    def carried_members(self) -> dict:
-        members = super().carried_members()
-        if "relative_position_bias_table" in self._parameters:
-            members["relative_position_bias_table"] = self._parameters["relative_position_bias_table"]
-        if self._bias_module_name is not None:
-            members[self._bias_module_name] = self._modules[self._bias_module_name]
-        return members
+    def _fused_kernel_usable(self, x: torch.Tensor) -> bool:
+        return not self.cosine and super()._fused_kernel_usable(x)  # the kernel has no cosine form
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B·nW, kh·kw, C] windows (as the block partitioned them), mask: the shift mask [nW, kh·kw, kh·kw] or
@@ -101,19 +127,5 @@ class WindowedVCA(VisualContrastAttention):
             return y
         return torch.addcmul(self.window_attention(x, mask), y, self.residual_gate.to(y.dtype))
 
-    def window_attention(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """The carried W-MSA: softmax(s·q·kᵀ + bias + mask)·v per window, then proj (as timm's WindowAttention)."""
-        B_, N, _ = x.shape
-        M = self.num_heads
-        q, k, v = self.qkv(x).view(B_, N, 3, M, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        table, index = self._bias_table_and_index()
-        bias = table[index.view(-1)].view(N, N, M).permute(2, 0, 1).unsqueeze(0)  # [1,M,N,N]
-        if mask is not None:
-            nW = mask.shape[0]
-            bias = (bias + mask.to(bias.dtype).unsqueeze(1)).unsqueeze(0).expand(B_ // nW, -1, -1, -1, -1)
-            bias = bias.reshape(B_, M, N, N)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=self.scale)
-        return self.proj_drop(self.proj(o.transpose(1, 2).reshape(B_, N, self.attn_dim)))
-
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", mode={self.mode!r}"
+        return super().extra_repr() + f", mode={self.mode!r}" + (", cosine=True" if self.cosine else "")

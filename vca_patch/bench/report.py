@@ -40,7 +40,7 @@ def results_table(result: dict[str, Any]) -> Table:
     )
     table = Table(title=title, title_justify="left")
     for column in ("px", "tokens", "variant", "latency ms", "img/s", "infer MiB", "train MiB", "GMACs"):
-        table.add_column(column, justify="left" if column == "variant" else "right")
+        table.add_column(column, justify="left" if column == "variant" else "right", overflow="fold")
     previous = None
     for r in result["results"]:
         px = str(r["resolution"]) if r["resolution"] != previous else ""
@@ -63,7 +63,7 @@ def ratios_table(result: dict[str, Any]) -> Table:
     table = Table(title="patched / original (fused SDPA)", title_justify="left")
     columns = ("target", "px", "tokens", "MAC ratio", "latency ratio", "÷ MAC", "vs unfused", "infer mem", "train mem")
     for column in columns:
-        table.add_column(column, justify="left" if column == "target" else "right")
+        table.add_column(column, justify="left" if column == "target" else "right", overflow="fold")
     for r in result["ratios"]:
         lat = r["latency_ratio"]
         style = "green" if lat is not None and lat < 1 else "yellow"

@@ -39,7 +39,13 @@ def _target_configs(spec: str, layers: list[int] | None) -> list[TargetConfig]:
 
 
 def bench(
-    model: Annotated[str, typer.Argument(help="timm model name (random weights), e.g. deit_small_patch16_224")],
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="timm model name (random weights), e.g. deit_small_patch16_224, or a diffusion transformer shape: "
+            "dit-xl-2, dit-l-2, dit-b-2, dit-s-2 (diffusers, sizes in image px: latent /8, 256-2048 by default)"
+        ),
+    ],
     resolutions: Annotated[str, typer.Option(help="Square input sizes in pixels")] = "224,512,1024,2048",
     batch: Annotated[int, typer.Option(help="Images per forward pass")] = 1,
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
@@ -71,13 +77,32 @@ def bench(
     """Latency, throughput, peak memory and analytic MACs of MODEL, original vs patched, per resolution."""
 
     from ..bench import BenchError, BenchSettings, build_variants, check_resolutions, model_shape, run_sweep
+    from ..bench.hierarchical import family
     from ..bench.report import crossover_lines, ratios_table, results_table, write_json, write_plot
     from ..bench.sweep import DTYPES
     from ..io import UnknownModelError
     from ..surgery import PatchError
+    from .bench_hierarchical import bench_hierarchical
 
     if dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", 2)
+    from ..bench.diffusion import DIFFUSION_MODELS
+
+    if model in DIFFUSION_MODELS:  # a diffusers DiT shape: latent token counts, one denoising step per call
+        from .bench_diffusion import bench_diffusion
+
+        default = resolutions == "224,512,1024,2048"
+        return bench_diffusion(
+            model, None if default else _parse_ints(resolutions, "--resolutions"), _target_configs(target,
+            parse_layers(layers)), depth=depth, batch=batch, device=device, dtype=dtype, repeats=repeats,
+            min_time=min_time, warmup=warmup, threads=threads, cpu_kernel=cpu_kernel, json_path=json_path,
+        )  # fmt: skip
+    if family(model) is not None:  # Swin / PVTv2: one grid per stage, measured by its own sweep
+        default = resolutions == "224,512,1024,2048"
+        return bench_hierarchical(
+            model, None if default else _parse_ints(resolutions, "--resolutions"), batch=batch, device=device,
+            dtype=dtype, repeats=repeats, min_time=min_time, warmup=warmup, threads=threads, json_path=json_path,
+        )  # fmt: skip
     device = str(resolve_device(device))
     if plot is not None:
         try:
@@ -130,6 +155,15 @@ def bench(
     console.print(ratios_table(result))
     for line in crossover_lines(result):
         console.print(line)
+    didb = next((v for v in variants if v.target == "didb" and v.name == "didb"), None)
+    if didb is not None and device == "cpu":  # the binarised Linears three ways (the XNOR kernel is CPU-only)
+        from ..bench.binary_linears import binary_linears_table, compare_binary_linears
+
+        tokens = batch * result["results"][0]["tokens"]
+        result["didb_linears"] = compare_binary_linears(
+            didb.model, tokens, warmup=warmup, repeats=repeats, min_time=min_time
+        )
+        console.print(binary_linears_table(result["didb_linears"]))
     if device == "cpu" and result["meta"]["malloc"] == "default" and max(settings.resolutions) >= 1024:
         console.print(
             "[dim]Large CPU tensors fault in 4 KiB pages under glibc's default malloc, a noisy cost shared by both"

@@ -21,7 +21,7 @@ from typing import Any
 TIMM_ARCHITECTURE = "vca_patch"  # the timm entrypoint registered by vca_patch.hub.timm_entrypoint
 ADAPTER_LIBRARIES = {  # adapter name -> library it rebuilds
     "timm-vit": "timm", "timm-pvt": "timm", "timm-swin": "timm", "hf-vision": "transformers",
-    "hf-pvt": "transformers", "hf-swin": "transformers", "diffusers-dit": "diffusers",
+    "hf-pvt": "transformers", "hf-pvt-v1": "transformers", "hf-swin": "transformers", "diffusers-dit": "diffusers",
 }  # fmt: skip
 
 # Plain keyword arguments of timm's ViT-style constructors (VisionTransformer, Eva, Beit, Cait): sizes, depths,
