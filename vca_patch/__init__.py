@@ -7,6 +7,8 @@ from .config import ConfigError, DIDBConfig, MANOConfig, TargetConfig, VCAConfig
 from .fidelity import FidelityReport, fidelity  # the function shadows the module name on the package
 from .hub import from_pretrained, push_to_hub
 from .io import save_pretrained
+from .merging import MergeConfig
+from .planner import load_plan
 from .recovery import calibrate
 from .spatial_tokens import (
     SpatialTokensConfig,
@@ -23,6 +25,7 @@ __all__ = [
     "DIDBConfig",
     "FidelityReport",
     "MANOConfig",
+    "MergeConfig",
     "MultipoleAttention",
     "NothingToPatchError",
     "PatchError",
@@ -38,6 +41,7 @@ __all__ = [
     "fidelity",
     "from_pretrained",
     "image_token_count",
+    "load_plan",
     "load_spatial_tokens",
     "patch_model",
     "push_to_hub",

@@ -12,7 +12,8 @@ from typing import Any, ClassVar
 from torch import nn
 
 from .attention import CarriedAttention, MultipoleAttention, VisualContrastAttention
-from .attention.staged_carry import StagedCarriedAttention, default_stage_contrast_tokens
+from .attention.staged_carry import CarriedWindowAttention, StagedCarriedAttention, default_stage_contrast_tokens
+from .attention.window_mano import build_window_mano
 
 
 class ConfigError(ValueError):
@@ -78,6 +79,12 @@ class TargetConfig:
         Default: none."""
         return {}
 
+    def block_forwards(self, blocks: dict[int, tuple[nn.Module, str]]) -> dict[int, Any]:
+        """Replacement forwards for whole blocks, {block index: callable}, given every patched site's
+        {block index: (block, attention name)}: surgery sets each as its block's `forward` (an instance attribute,
+        no module or state-dict key changes) and `unpatch_model` removes it. Default: none (token merging uses it)."""
+        return {}
+
     def check_stage_state(self, state: dict[str, Any]) -> None:
         """Refuse a recipe stage's `target_state` this target cannot apply (default: any non-empty one)."""
         if state:
@@ -139,8 +146,15 @@ class VCAConfig(TargetConfig):
         layer_contrast_tokens: per-block overrides of contrast_tokens, {block index: n}.
         stage_contrast_tokens: n per stage of a hierarchical model (PVT, Swin), [stage 1, stage 2, ...]; None: the
             family default 9/16/49/49 (the paper's lab). contrast_tokens applies to single-grid ViTs only.
-        swin_mode: how Swin window attention converts: "residual" (window attention kept plus a zero-gated
-            global VCA branch; exact at init) or "global" (global VCA on the stage's grid; approximate).
+        swin_mode: how Swin/SwinV2 window attention converts: "residual" (window attention kept, its bias/CPB and
+            shift mask included, plus a zero-gated global VCA branch; exact at init) or "global" (global VCA on the
+            stage's grid; approximate). SwinV2's cosine attention stays cosine (normalised queries pooled).
+        pvt_mode: how PVT spatial-reduction attention converts: "carry" (the reduction kept, Stage I over the
+            reduced keys; exact carry) or "paper" (the reduction dropped: global VCA over full-resolution keys, the
+            paper's placement; approximate, for fine-tuning).
+        rope_contrast: how contrast tokens of rotary-embedded joint attention (Flux) get their rotation: "pooled"
+            (pooled from the rotated queries; measured marginally closer to the unconverted model) or "centre" (pooled
+            before rotation, then rotated at their cell's centre).
         layers: 0-based block indices to patch; None patches every attention block.
         seed: seed of the random parts of the init (λ vectors; e± and DWC in "paper" mode).
     """
@@ -157,6 +171,8 @@ class VCAConfig(TargetConfig):
     layer_contrast_tokens: dict[int, int] | None = None
     stage_contrast_tokens: list[int] | None = None
     swin_mode: str = "residual"
+    pvt_mode: str = "carry"
+    rope_contrast: str = "pooled"
 
     @property
     def contrast_grid(self) -> tuple[int, int]:
@@ -216,6 +232,10 @@ class VCAConfig(TargetConfig):
             self.stage_contrast_tokens = list(stages)
         if self.swin_mode not in ("residual", "global"):
             raise ConfigError(f"swin_mode must be 'residual' or 'global', got {self.swin_mode!r}")
+        if self.pvt_mode not in ("carry", "paper"):
+            raise ConfigError(f"pvt_mode must be 'carry' or 'paper', got {self.pvt_mode!r}")
+        if self.rope_contrast not in ("pooled", "centre"):
+            raise ConfigError(f"rope_contrast must be 'pooled' or 'centre', got {self.rope_contrast!r}")
 
     def build_layer(self, carried: CarriedAttention, layer_index: int) -> VisualContrastAttention:
         settings = {
@@ -236,6 +256,8 @@ class VCAConfig(TargetConfig):
         else:
             vca = VisualContrastAttention.from_carried(carried, **settings)
         vca.reset_vca_parameters(self.init)
+        if hasattr(vca, "rope_contrast"):  # joint attention that may get a rotary embedding (Flux)
+            vca.rope_contrast = self.rope_contrast
         return vca
 
     def layer_settings(self, layer: VisualContrastAttention) -> dict[str, Any]:
@@ -253,7 +275,8 @@ class MANOConfig(TargetConfig):
 
     Attributes:
         window: window side k of the per-level windowed attention (clipped to smaller grids; a window
-            covering the patch grid reproduces the original attention exactly).
+            covering the patch grid reproduces the original attention exactly). Swin/SwinV2: not used, every
+            level takes the block's own window (level 0 is the block's window attention, exact at init).
         rate: coarsening factor r ≥ 2 between levels.
         levels: number of levels L; None picks, per input grid, the fewest whose coarsest grid fits
             one window.
@@ -301,27 +324,24 @@ class MANOConfig(TargetConfig):
             raise ConfigError(f"pad must be true or false, got {self.pad!r}")
 
     def build_layer(self, carried: CarriedAttention, layer_index: int) -> MultipoleAttention:
-        mano = MultipoleAttention.from_carried(
-            carried,
-            window=self.window,
-            rate=self.rate,
-            levels=self.levels,
-            down=self.down,
-            up=self.up,
-            prefix=self.prefix,
-            pad=self.pad,
-        )
+        options = {"rate": self.rate, "levels": self.levels, "down": self.down, "up": self.up, "prefix": self.prefix}
+        if isinstance(carried, CarriedWindowAttention):  # Swin: level 0 is the block's window attention (its window)
+            mano = build_window_mano(carried, pad=self.pad, **options)
+        else:
+            mano = MultipoleAttention.from_carried(carried, window=self.window, pad=self.pad, **options)
         mano.reset_mano_parameters(self.init)
         return mano
 
     def layer_settings(self, layer: MultipoleAttention) -> dict[str, Any]:
-        return {
+        settings = {
             "window": layer.window,
             "rate": layer.rate,
             "levels": "auto" if layer.levels is None else layer.levels,
             "down": layer.down_mode,
             "up": layer.up_mode,
         }
+        return {**settings, **getattr(layer, "hierarchical_settings", {})}  # stage, grid of Swin layers
 
 
 from .didb.config import DIDBConfig  # noqa: E402, F401  (registers target "didb"; imports this module's classes)
+from .merging.config import MergeConfig  # noqa: E402, F401  (registers target "merge")

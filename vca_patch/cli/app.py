@@ -9,6 +9,7 @@ from .convert import convert
 from .fidelity import fidelity
 from .finetune import finetune
 from .inspect import inspect
+from .plan import plan
 from .push import push
 
 app = typer.Typer(
@@ -23,6 +24,7 @@ app.command()(convert)
 app.command()(fidelity)
 app.command()(finetune)
 app.command()(inspect)
+app.command()(plan)
 app.command()(push)
 
 

@@ -36,6 +36,7 @@ class PatchState:
     tracker: LayoutTracker
     originals: dict[str, Any]  # path -> the replaced module (or what the adapter's install returned, see _install)
     block_originals: dict[str, nn.Module] = field(default_factory=dict)  # path -> module a block edit replaced
+    block_forwards: list[str] = field(default_factory=list)  # paths of blocks given a forward (block_forwards)
 
 
 def _count_params(model: nn.Module) -> int:
@@ -116,6 +117,17 @@ def _block_edits(model: nn.Module, config: TargetConfig, site: AttentionSite) ->
             raise PatchError(f"{type(config).__name__}.block_edits may not replace the attention itself ({rel!r})")
         block.get_submodule(rel)  # it must exist
     return {(block_path + "." if block_path else "") + rel: new for rel, new in edits.items()}
+
+
+def _block_forwards(model: nn.Module, config: TargetConfig, sites: list[AttentionSite]) -> dict[str, Any]:
+    """config.block_forwards for the sites' blocks, as {block path: forward}."""
+    paths: dict[int, str] = {}
+    blocks: dict[int, tuple[nn.Module, str]] = {}
+    for site in sites:
+        block_path, _, name = site.path.rpartition(".")
+        paths[site.layer_index] = block_path
+        blocks[site.layer_index] = (model.get_submodule(block_path) if block_path else model, name)
+    return {paths[index]: forward for index, forward in config.block_forwards(blocks).items()}
 
 
 def _plan(model: nn.Module, config: TargetConfig, strict: bool):
@@ -205,13 +217,14 @@ def _report(adapter, model, config, chosen, skipped, replacements, block_edits, 
     ]
     params_after = params_before + sum(s.params_added for s in patched)
     layout = adapter.default_layout(model)
-    return PatchReport(adapter.name, patched, skipped, params_before, params_after, layout)
+    return PatchReport(adapter.name, patched, skipped, params_before, params_after, layout, config.target)
 
 
 def inspect_model(model: nn.Module, config: TargetConfig | None = None, *, strict: bool = False) -> PatchReport:
     """Dry run: the report `patch_model` would give, leaving the model exactly as it is."""
     config = config or VCAConfig()
     adapter, chosen, skipped, replacements, block_edits, params_before = _plan(model, config, strict)
+    _block_forwards(model, config, chosen)  # its checks
     return _report(adapter, model, config, chosen, skipped, replacements, block_edits, params_before)
 
 
@@ -227,6 +240,7 @@ def patch_model(model: nn.Module, config: TargetConfig | None = None, *, strict:
     if get_patch_state(model) is not None:
         raise PatchError("model is already patched; call vca_patch.unpatch_model(model) first")
     adapter, chosen, skipped, replacements, block_edits, params_before = _plan(model, config, strict)
+    forwards = _block_forwards(model, config, chosen)
 
     tracker = adapter.install_layout_tracker(model)
     originals: dict[str, Any] = {}
@@ -240,7 +254,11 @@ def patch_model(model: nn.Module, config: TargetConfig | None = None, *, strict:
         for path, new in (item for edits in block_edits.values() for item in edits.items()):
             block_originals[path] = _swap(model, path, new)
             keep_block_original(new, block_originals[path])
+        for path, forward in forwards.items():
+            (model.get_submodule(path) if path else model).forward = forward
     except BaseException:
+        for path in forwards:
+            (model.get_submodule(path) if path else model).__dict__.pop("forward", None)
         for path, old in block_originals.items():
             _swap(model, path, old)
         for path, old in originals.items():
@@ -249,7 +267,8 @@ def patch_model(model: nn.Module, config: TargetConfig | None = None, *, strict:
         raise
 
     close_scope(tracker)  # the report's probe of the native layout is no forward of the model's
-    model.__dict__[STATE_ATTR] = PatchState(adapter, config, report, tracker, originals, block_originals)
+    state = PatchState(adapter, config, report, tracker, originals, block_originals, list(forwards))
+    model.__dict__[STATE_ATTR] = state
     return report
 
 
@@ -263,6 +282,8 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     for path, original in state.block_originals.items():  # block edits (TargetConfig.block_edits)
         restore_block_edit(model.get_submodule(path), original)
         _swap(model, path, original)
+    for path in state.block_forwards:  # block forwards (TargetConfig.block_forwards)
+        (model.get_submodule(path) if path else model).__dict__.pop("forward", None)
     state.adapter.remove_layout_tracker(model)
     del model.__dict__[STATE_ATTR]
     return model

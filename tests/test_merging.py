@@ -1,0 +1,269 @@
+"""Token merging (ToMe) as a surgery target: against a loop-by-loop float64 reference written from the paper."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import timm
+import torch
+from torch import nn
+from transformers import Dinov2Config, Dinov2Model
+
+from vca_patch import patch_model, unpatch_model
+from vca_patch.attention import VisualContrastAttention
+from vca_patch.config import ConfigError, TargetConfig
+from vca_patch.merging import MergeConfig, MergingAttention
+
+
+def _timm_vit(depth: int = 4) -> nn.Module:
+    model = timm.create_model(
+        "vit_small_patch14_dinov2",
+        pretrained=False,
+        img_size=56,
+        depth=depth,
+        embed_dim=64,
+        num_heads=4,
+        init_values=0.5,
+        num_classes=0,
+    )
+    with torch.no_grad():  # LayerScale gammas that matter (dropping ls1/ls2 would show)
+        for block in model.blocks:
+            block.ls1.gamma.uniform_(0.2, 1.5)
+            block.ls2.gamma.uniform_(0.2, 1.5)
+    return model.eval().double()
+
+
+def _hf_dinov2(depth: int = 3) -> nn.Module:
+    config = Dinov2Config(
+        hidden_size=48,
+        num_hidden_layers=depth,
+        num_attention_heads=4,
+        intermediate_size=96,
+        image_size=56,
+        patch_size=14,
+        layerscale_value=0.7,
+    )
+    return Dinov2Model(config).eval().double()
+
+
+def _timm_parts(block: nn.Module) -> dict:
+    attn = block.attn
+    return {
+        "norm1": block.norm1,
+        "qkv": attn.qkv,
+        "proj": attn.proj,
+        "heads": attn.num_heads,
+        "ls1": block.ls1,
+        "norm2": block.norm2,
+        "mlp": block.mlp,
+        "ls2": block.ls2,
+    }
+
+
+def _hf_parts(layer: nn.Module) -> dict:
+    attn = layer.attention
+
+    def qkv(x):
+        return torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+
+    return {
+        "norm1": layer.norm1,
+        "qkv": qkv,
+        "proj": attn.o_proj,
+        "heads": attn.num_attention_heads,
+        "ls1": layer.layer_scale1,
+        "norm2": layer.norm2,
+        "mlp": layer.mlp,
+        "ls2": layer.layer_scale2,
+    }
+
+
+def _reference_image(tokens: torch.Tensor, parts: list[dict], schedule: list[int], prefix: int) -> torch.Tensor:
+    """One image (N, C) through the blocks with ToMe, token by token in Python, float64; returns (N, C) unmerged."""
+    x = [tokens[i] for i in range(tokens.shape[0])]
+    size = [1.0] * len(x)
+    groups = [[i] for i in range(len(x))]  # original tokens held by each current token
+    for p, r in zip(parts, schedule, strict=True):
+        n, heads = len(x), p["heads"]
+        h = p["norm1"](torch.stack(x))
+        q, k, v = p["qkv"](h).chunk(3, dim=-1)
+        d = q.shape[-1] // heads
+        out = []
+        for head in range(heads):
+            s = slice(head * d, (head + 1) * d)
+            logits = q[:, s] @ k[:, s].T / math.sqrt(d) + torch.tensor([math.log(z) for z in size], dtype=q.dtype)
+            out.append(torch.softmax(logits, dim=-1) @ v[:, s])
+        x = list(torch.stack(x) + p["ls1"](p["proj"](torch.cat(out, dim=-1))))
+        keys = torch.stack([k[i].reshape(heads, d).mean(0) for i in range(n)])
+        if r:
+            a = list(range(prefix, n, 2))
+            b = list(range(prefix + 1, n, 2))
+            best = []
+            for i in a:
+                sims = [float(keys[i] @ keys[j] / (keys[i].norm() * keys[j].norm())) for j in b]
+                top = max(range(len(b)), key=lambda t, sims=sims: sims[t])
+                best.append((sims[top], i, b[top]))
+            ranked = sorted(range(len(a)), key=lambda t: -best[t][0])  # stable: ties keep A's order
+            merged = {best[t][1]: best[t][2] for t in ranked[: min(r, len(a))]}
+            total = {j: x[j] * size[j] for j in b}
+            weight = {j: size[j] for j in b}
+            held = {j: list(groups[j]) for j in b}
+            for i, j in merged.items():
+                total[j] = total[j] + x[i] * size[i]
+                weight[j] += size[i]
+                held[j] += groups[i]
+            order = list(range(prefix)) + [i for i in a if i not in merged]
+            x = [x[i] for i in order] + [total[j] / weight[j] for j in b]
+            size = [size[i] for i in order] + [weight[j] for j in b]
+            groups = [groups[i] for i in order] + [held[j] for j in b]
+        x = list(torch.stack(x) + p["ls2"](p["mlp"](p["norm2"](torch.stack(x)))))
+    full = [None] * tokens.shape[0]
+    for token, members in zip(x, groups, strict=True):
+        for i in members:
+            full[i] = token
+    return torch.stack(full)
+
+
+def _timm_reference(model: nn.Module, images: torch.Tensor, schedule: list[int], vca_blocks: int = 0) -> torch.Tensor:
+    with torch.no_grad():
+        x = model.norm_pre(model._pos_embed(model.patch_embed(images)))
+        for block in model.blocks[:vca_blocks]:  # VCA blocks run as patched (VCA itself is tested elsewhere)
+            x = block(x)
+        parts = [_timm_parts(b) for b in model.blocks[vca_blocks:]]
+        out = [_reference_image(t, parts, schedule[vca_blocks:], model.num_prefix_tokens) for t in x]
+        return model.norm(torch.stack(out))
+
+
+def test_merging_matches_the_float64_reference_and_keeps_layerscale():
+    model = _timm_vit()
+    images = torch.randn(2, 3, 56, 56, dtype=torch.float64)
+    schedule = [3, 2, 4, 1]
+    reference = _timm_reference(model, images, schedule)
+    with torch.no_grad():
+        original = model.forward_features(images)
+        patch_model(model, MergeConfig(schedule=schedule))
+        merged = model.forward_features(images)
+    assert merged.shape == original.shape  # unmerged: every patch token is back
+    error = (merged - reference).abs().max().item()
+    assert error < 1e-10, error  # measured ~1e-15
+    assert (merged - original).abs().max() > 1e-3  # merging really happened (16 patches, 10 merged)
+    kept = model.blocks[0].forward.state.kept
+    assert kept == [17 - 3, 14 - 2, 12 - 4, 8 - 1]
+
+
+def test_r_zero_is_the_original_and_unpatch_is_bit_identical():
+    model = _timm_vit()
+    images = torch.randn(2, 3, 56, 56, dtype=torch.float64)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        original = model.forward_features(images)
+        patch_model(model, MergeConfig(r=0))
+        torch.testing.assert_close(model.forward_features(images), original, rtol=0, atol=1e-12)
+        unpatch_model(model)
+        patch_model(model, MergeConfig(r=4))
+        assert list(model.state_dict()) == list(state)  # same keys while patched
+        assert isinstance(model.blocks[1].attn, MergingAttention)
+        unpatch_model(model)
+        assert torch.equal(model.forward_features(images), original)
+    assert all("forward" not in block.__dict__ for block in model.blocks)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_copies_of_a_merging_model_run_on_their_own_blocks():
+    model = _timm_vit(depth=2)
+    images = torch.randn(1, 3, 56, 56, dtype=torch.float64)
+    patch_model(model, MergeConfig(r=3))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.blocks[1].mlp.fc2.weight.zero_()
+        assert not torch.equal(twin.forward_features(images), model.forward_features(images))
+    assert twin.blocks[0].forward.block is twin.blocks[0]
+
+
+def test_transformers_dinov2_matches_the_reference():
+    model = _hf_dinov2()
+    with torch.no_grad():
+        for layer in model.encoder.layer:
+            layer.layer_scale1.lambda1.uniform_(0.2, 1.5)
+    images = torch.randn(2, 3, 56, 56, dtype=torch.float64)
+    schedule = [4, 3, 2]
+    with torch.no_grad():
+        original = model(pixel_values=images)
+        x = model.embeddings(images)
+        parts = [_hf_parts(layer) for layer in model.encoder.layer]
+        reference = model.layernorm(torch.stack([_reference_image(t, parts, schedule, 1) for t in x]))
+        patch_model(model, MergeConfig(schedule=schedule))
+        merged = model(pixel_values=images)
+    assert merged.last_hidden_state.shape == original.last_hidden_state.shape
+    error = (merged.last_hidden_state - reference).abs().max().item()
+    assert error < 1e-10, error
+    torch.testing.assert_close(merged.pooler_output, reference[:, 0], rtol=0, atol=1e-10)
+    unpatch_model(model)
+    with torch.no_grad():
+        assert torch.equal(model(pixel_values=images).last_hidden_state, original.last_hidden_state)
+
+
+def test_vca_before_the_first_merge_composes():
+    model = _timm_vit()
+    images = torch.randn(2, 3, 56, 56, dtype=torch.float64)
+    schedule = [0, 0, 3, 2]
+    config = MergeConfig(schedule=schedule, vca_layers={0: 4, 1: 4}, vca={"prefix_readout": "exact"})
+    patch_model(model, config)
+    assert isinstance(model.blocks[0].attn, VisualContrastAttention)
+    assert isinstance(model.blocks[2].attn, MergingAttention)
+    with torch.no_grad():
+        merged = model.forward_features(images)
+        reference = _timm_reference(model, images, schedule, vca_blocks=2)
+    assert (merged - reference).abs().max().item() < 1e-10
+    unpatch_model(model)
+    assert all(type(b.attn).__name__ == "Attention" for b in model.blocks)
+
+
+def test_vca_after_a_merge_is_refused_with_the_rule():
+    with pytest.raises(ConfigError, match=r"VCA needs the patch grid.*block 1.*\[2\]"):
+        MergeConfig(schedule=[0, 2, 2, 2], vca_layers={0: 4, 2: 4})
+    with pytest.raises(ConfigError, match="before the first block that merges"):
+        MergeConfig(r=2, vca_layers={1: 4})
+
+
+def test_a_plan_for_another_model_is_refused_and_nothing_changes():
+    model = _timm_vit(depth=2)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = MergeConfig(r=2, expect={"depth": 12, "dim": 384, "num_heads": 6})
+    with pytest.raises(ConfigError, match=r"made for a model with.*depth"):
+        patch_model(model, plan)
+    with pytest.raises(ConfigError, match="schedule gives r for 3 blocks; this model has 2"):
+        patch_model(model, MergeConfig(schedule=[1, 1, 1]))
+    assert all("forward" not in b.__dict__ for b in model.blocks) and type(model.blocks[0].attn).__name__ == "Attention"
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_unknown_blocks_and_masks_are_refused():
+    from timm.models.vision_transformer import ResPostBlock, VisionTransformer
+
+    post_norm = VisionTransformer(img_size=28, patch_size=14, embed_dim=32, depth=2, num_heads=2, block_fn=ResPostBlock)
+    with pytest.raises(ConfigError, match="token merging knows the blocks of"):
+        patch_model(post_norm, MergeConfig(r=1))
+    assert "forward" not in post_norm.blocks[0].__dict__
+    model = _timm_vit(depth=2)
+    patch_model(model, MergeConfig(r=1))
+    x = torch.randn(1, 17, 64, dtype=torch.float64)
+    with pytest.raises(ValueError, match="no attention mask"):
+        model.blocks[0](x, attn_mask=torch.zeros(1, 1, 17, 17, dtype=torch.float64))
+
+
+def test_config_json_round_trip_and_validation():
+    config = MergeConfig(schedule=[0, 2, 4], vca_layers={0: 9}, vca={"token_magnitude": True})
+    again = TargetConfig.from_json(config.to_json())
+    assert again == config and isinstance(again, MergeConfig)
+    for bad, match in [
+        ({"r": -1}, "r must be"),
+        ({"schedule": [1, "2"]}, "schedule must be"),
+        ({"vca_layers": {0: 5}}, "perfect square"),
+        ({"vca": {"contrast_tokens": 4}}, "vca takes VCAConfig options"),
+        ({"expect": {"depth": 2}}, "expect must give"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            MergeConfig(**bad)

@@ -1,0 +1,270 @@
+"""The conversion planner: cost model, search, plan files, the CLI and the benchmark's quick mode (tiny models)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from vca_patch import patch_model, unpatch_model
+from vca_patch.cli.app import app
+from vca_patch.config import ConfigError
+from vca_patch.merging import MergeConfig
+from vca_patch.planner import (
+    ModelInfo,
+    PlanError,
+    candidates,
+    choose,
+    load_plan,
+    model_info,
+    pareto,
+    plan_config,
+    plan_model,
+    save_plan,
+)
+from vca_patch.planner.costs import LatencyTable, plan_macs, token_counts
+from vca_patch.planner.planner import apply_plan
+from vca_patch.planner.sensitivity import Loss, Sensitivity
+
+RES = 56  # 4x4 patches of 14 px + CLS
+
+
+def _tiny(depth: int = 4) -> torch.nn.Module:
+    model = timm.create_model(
+        "vit_small_patch14_dinov2", pretrained=False, img_size=RES, depth=depth, embed_dim=64, num_heads=4,
+        init_values=0.5, num_classes=0,
+    )  # fmt: skip
+    with torch.no_grad():  # sharper attention than the random init's near-uniform one
+        for block in model.blocks:
+            block.attn.qkv.weight[:128].mul_(8.0)
+    return model.eval()
+
+
+def _info(depth: int = 4) -> ModelInfo:
+    return ModelInfo(depth, 64, 4, 1, 14, 12.0 * 64 * 64, tuple(f"blocks.{i}" for i in range(depth)), "norm")
+
+
+def test_token_counts_and_the_flop_model_by_hand():
+    info = _info()
+    # 17 tokens, 1 prefix: a merge can take at most ceil(patches / 2)
+    assert token_counts(info, RES, [0, 5, 3, 9]) == [17, 17, 12, 9]
+    assert token_counts(info, RES, [20, 20, 20, 20]) == [17, 9, 5, 3]
+    counts = token_counts(info, RES, [0, 5, 3, 0])
+    expected = sum(n * 12 * 64 * 64 + 2 * n * n * 64 for n in counts)
+    assert plan_macs(info, RES, [0, 5, 3, 0], {}) == pytest.approx(expected)
+    vca = 8 * 4 * 17 * 64 + 9 * 16 * 64 + 2 * 1 * 17 * 64  # VCA(4) with the exact prefix read-out in block 0
+    assert plan_macs(info, RES, [0, 5, 3, 0], {0: 4}) == pytest.approx(expected - 2 * 17 * 17 * 64 + vca)
+
+
+def _synthetic() -> tuple[ModelInfo, LatencyTable, Sensitivity]:
+    info = _info()
+    table = LatencyTable(
+        original_s=1.0, other_s=0.2, softmax_tokens=[3, 17], softmax_s=[0.05, 0.2], vca_s={4: 0.1, 16: 0.15}
+    )
+    sens = Sensitivity()
+    for block in range(4):
+        sens.vca[(block, 4)] = Loss(0.02 * (block + 1), 0.01)
+        sens.vca[(block, 16)] = Loss(0.005 * (block + 1), 0.004)
+    sens.merge[(0, 4)] = Loss(0.01, 0.3)
+    sens.merge[(2, 6)] = Loss(0.002, 0.1)
+    return info, table, sens
+
+
+def test_search_predicts_additively_and_chooses_the_best_plan_within_budget():
+    info, table, sens = _synthetic()
+    cands = candidates(info, RES, table, sens, "both")
+    for cand in cands:  # predicted fidelity adds the measured losses of the parts
+        first = next((i for i, r in enumerate(cand.schedule) if r), None)
+        merge = sens.merge[(first, cand.schedule[first])] if first is not None else Loss(0, 0)
+        assert all(block < (first if first is not None else 4) for block in cand.vca_layers)  # VCA before merging
+        cls = 1 - merge.cls - sum(sens.vca[(b, n)].cls for b, n in cand.vca_layers.items())
+        assert cand.cls == pytest.approx(cls)
+        counts = token_counts(info, RES, cand.schedule)
+        blocks = sum(table.vca_s[cand.vca_layers[i]] if i in cand.vca_layers else np.interp(t, [3, 17], [0.05, 0.2])
+                     for i, t in enumerate(counts))  # fmt: skip
+        assert cand.latency == pytest.approx(0.2 + blocks)
+    best = choose(cands, 0.75, "both")
+    fitting = [c for c in cands if c.latency <= 0.75]
+    assert best.latency <= 0.75 and best.score("both") == max(c.score("both") for c in fitting)
+    front = pareto(cands, "both")
+    assert all(not (o.latency <= f.latency and o.score("both") > f.score("both")) for f in front for o in cands)
+    merging_front = pareto([c for c in cands if c.merging_only], "both")
+    for point in merging_front:  # the planner's front is never below merging alone
+        assert max(f.score("both") for f in front if f.latency <= point.latency) >= point.score("both")
+
+
+def test_an_impossible_budget_names_the_closest_plan():
+    info, table, sens = _synthetic()
+    cands = candidates(info, RES, table, sens, "cls")
+    fastest = min(c.latency for c in cands)
+    with pytest.raises(PlanError, match=rf"budget 0.10x: the fastest measured plan reaches {fastest:.2f}x"):
+        choose(cands, 0.1, "cls")
+    with pytest.raises(PlanError, match="positive latency ratio"):
+        choose(cands, 0.0, "cls")
+
+
+def test_plan_model_end_to_end_and_the_plan_file(tmp_path):
+    model = _tiny()
+    images = torch.randn(3, 3, RES, RES)
+    with torch.no_grad():
+        reference = model.forward_features(images)
+    result = plan_model(
+        model, images, budget=1.5, resolution=RES, contrast_tokens=(4,), merge_starts=(0, 2), merge_fractions=(0.5,),
+        calibrate=False, repeats=1,
+    )  # fmt: skip
+    assert result.chosen.latency <= 1.5 and result.measured["latency_ratio"] > 0
+    assert set(result.sensitivity.merge) == {(0, 2), (2, 4)} and len(result.sensitivity.vca) == 4
+    assert model_info(model).depth == 4 and not hasattr(model, "vca_patch_state")  # left as it came
+    path = save_plan(tmp_path / "plan.json", result.config, result.details("tiny"))
+    data = json.loads(path.read_text())
+    assert data["model"] == {"name": "tiny", "depth": 4, "dim": 64, "num_heads": 4, "resolution": RES}
+    config = load_plan(path)
+    assert config == result.config and config.expect == {"depth": 4, "dim": 64, "num_heads": 4}
+    patch_model(model, config)
+    with torch.no_grad():
+        out = model.forward_features(images)
+    scores = torch.nn.functional.cosine_similarity(out[:, 0], reference[:, 0])
+    assert scores.mean().item() == pytest.approx(result.measured["cls_cosine"], abs=0.05)
+    unpatch_model(model)
+
+
+def test_a_plan_for_another_model_or_a_bad_file_is_refused(tmp_path):
+    plan = MergeConfig(r=2, expect={"depth": 4, "dim": 64, "num_heads": 4})
+    path = save_plan(tmp_path / "plan.json", plan, {})
+    other = _tiny(depth=3)
+    with pytest.raises(ConfigError, match="made for a model with"):
+        patch_model(other, load_plan(path))
+    assert not hasattr(other, "vca_patch_state") and type(other.blocks[0].attn).__name__ == "Attention"
+    (tmp_path / "bad.json").write_text('{"format": "something else"}')
+    with pytest.raises(PlanError, match="is not a vca-patch plan"):
+        load_plan(tmp_path / "bad.json")
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(PlanError, match="not a readable plan file"):
+        load_plan(tmp_path / "broken.json")
+    with pytest.raises(PlanError, match="does not exist"):
+        save_plan(tmp_path / "missing" / "plan.json", plan, {})
+
+
+def test_calibrating_vca_blocks_of_a_merging_plan():
+    model = _tiny()
+    images = torch.randn(4, 3, RES, RES)
+    with torch.no_grad():
+        reference = model.forward_features(images)
+    config = plan_config(
+        type("C", (), {"schedule": [0, 0, 3, 3], "vca_layers": {0: 4, 1: 4}})(), model_info(model), calibrate=True
+    )
+    raw = apply_plan(_copy(model), config)
+    tuned = apply_plan(_copy(model), config, images)
+    with torch.no_grad():
+        error_raw = (raw.forward_features(images) - reference).norm()
+        error_tuned = (tuned.forward_features(images) - reference).norm()
+    assert error_tuned < error_raw
+
+
+def _copy(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def _image_folder(folder, count: int) -> None:
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        Image.fromarray(rng.integers(0, 255, (70, 84, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+
+
+def test_cli_plan_then_convert_with_the_plan(tmp_path):
+    runner = CliRunner()
+    _image_folder(tmp_path / "images", 3)
+    out = tmp_path / "plan.json"
+    args = [
+        "plan", "vit_tiny_patch16_224", "--no-pretrained", "--no-calibrate", "--calibration-data",
+        str(tmp_path / "images"), "--resolution", "64", "--budget", "2.0", "--images", "2", "--eval-images", "1",
+        "--contrast-tokens", "none", "--merge-fractions", "0.5", "--repeats", "1", "-o", str(out),
+    ]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "Predicted and measured" in result.output and out.with_suffix(".png").stat().st_size > 1000
+    assert load_plan(out).expect == {"depth": 12, "dim": 192, "num_heads": 3}
+    again = runner.invoke(app, args)
+    assert again.exit_code == 2 and "exists; pass --force" in again.output
+    converted = runner.invoke(
+        app,
+        [
+            "convert",
+            "vit_tiny_patch16_224",
+            "--no-pretrained",
+            "--img-size",
+            "64",
+            "--plan",
+            str(out),
+            "-o",
+            str(tmp_path / "converted"),
+        ],
+    )
+    assert converted.exit_code == 0, converted.output
+    config = json.loads((tmp_path / "converted" / "config.json").read_text())
+    assert "merge" in json.dumps(config)
+    wrong = runner.invoke(
+        app,
+        [
+            "convert",
+            "vit_small_patch16_224",
+            "--no-pretrained",
+            "--img-size",
+            "64",
+            "--plan",
+            str(out),
+            "-o",
+            str(tmp_path / "w"),
+        ],
+    )
+    assert wrong.exit_code != 0 and "made for a model with" in wrong.output
+    assert not (tmp_path / "w").exists()
+
+
+def test_cli_refuses_unreadable_images_and_writes_nothing(tmp_path):
+    _image_folder(tmp_path / "images", 2)
+    (tmp_path / "images" / "2.jpg").write_bytes(b"not an image")
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(
+        app,
+        [
+            "plan",
+            "vit_small_patch14_dinov2",
+            "--no-pretrained",
+            "--calibration-data",
+            str(tmp_path / "images"),
+            "--resolution",
+            str(RES),
+            "--images",
+            "3",
+            "-o",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 2 and "cannot read image" in result.output and "2.jpg" in result.output
+    assert not out.exists() and not out.with_suffix(".png").exists()
+
+
+def test_benchmark_quick_mode(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("planner_bench", Path(__file__).parents[1] / "benchmarks/planner.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--threads", "1", "--results", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "planner_quick.json").read_text())
+    rows = results["sizes"]["56"]["rows"]
+    assert any(r["kind"] == "merging" for r in rows.values()) and any(r["kind"] == "planner" for r in rows.values())
+    for row in rows.values():
+        assert row["latency_ratio"] > 0 and -1 <= row["cls_cosine"] <= 1
+    assert (tmp_path / "planner_quick.png").stat().st_size > 1000
+    assert "| conversion |" in (tmp_path / "planner_quick.md").read_text()

@@ -1,0 +1,144 @@
+"""`vca-patch plan`: choose per block between softmax, VCA(n) and token merging to meet a latency budget."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+from rich.table import Table
+
+from ..config import ConfigError
+from ..planner import PlanError, PlanResult, draw_front, plan_model, save_plan
+from ..planner.costs import token_counts
+from ..planner.images import image_files, load_images
+from .common import console, fail, load_base
+
+
+def _numbers(text: str, kind: type, name: str) -> list:
+    try:
+        return [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        fail(f"{name} must be a comma-separated list of numbers, got {text!r}", 2)
+
+
+def plan_table(result: PlanResult) -> Table:
+    """One row per block: attention, tokens merged after it, tokens entering it."""
+    chosen = result.chosen
+    counts = token_counts(result.info, result.resolution, chosen.schedule)
+    table = Table(title=f"Plan: {chosen.describe()}")
+    for column in ("block", "attention", "tokens in", "merged after"):
+        table.add_column(column, justify="right" if column != "attention" else "left")
+    for i, tokens in enumerate(counts):
+        attention = f"VCA n={chosen.vca_layers[i]}" if i in chosen.vca_layers else "softmax"
+        if chosen.schedule[i] or any(chosen.schedule[:i]):
+            attention += " (proportional)"
+        table.add_row(str(i), attention, str(tokens), str(chosen.schedule[i]))
+    return table
+
+
+def summary_table(result: PlanResult) -> Table:
+    chosen, measured = result.chosen, result.measured
+    table = Table(title=f"Predicted and measured at {result.resolution} px (budget {result.budget:g}x)")
+    for column in ("", "latency ratio", "CLS cosine", "patch-token cosine", "mean-patch cosine"):
+        table.add_column(column, justify="right")
+    table.add_row("predicted", f"{chosen.latency:.3f}", f"{chosen.cls:.4f}", f"{chosen.patch:.4f}", "")
+    table.add_row("FLOP model", f"{chosen.macs_ratio:.3f}", "", "", "")
+    if measured:
+        table.add_row(
+            "measured", f"{measured['latency_ratio']:.3f}", f"{measured['cls_cosine']:.4f}",
+            f"{measured['patch_token_cosine']:.4f}", f"{measured['mean_patch_cosine']:.4f}",
+        )  # fmt: skip
+    return table
+
+
+def plan(
+    model: Annotated[str, typer.Argument(help="timm model name (e.g. vit_small_patch14_dinov2) or hf-hub:ORG/NAME")],
+    calibration_data: Annotated[
+        Path, typer.Option(help="Folder of calibration images (any layout; every image file under it)")
+    ],
+    budget: Annotated[float, typer.Option(help="Latency budget: ratio to the original's batch-1 latency")] = 0.5,
+    resolution: Annotated[int, typer.Option(help="Input size in pixels to plan for")] = 224,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Plan file to write (JSON)")] = Path("plan.json"),
+    png: Annotated[Path | None, typer.Option(help="Pareto-front PNG (default: the plan file with .png)")] = None,
+    images: Annotated[int, typer.Option(help="Calibration images to use (the first, sorted by path)")] = 8,
+    eval_images: Annotated[
+        int, typer.Option(help="Further images, after the calibration ones, kept apart to measure the plan on")
+    ] = 0,
+    contrast_tokens: Annotated[
+        str, typer.Option(help="VCA contrast-token counts n to try, e.g. '16,49' ('none': merging only)")
+    ] = "16,49",
+    merge_fractions: Annotated[
+        str, typer.Option(help="Fractions of the patch tokens merging may remove, e.g. '0.3,0.5,0.7,0.85,0.95'")
+    ] = "0.3,0.5,0.7,0.85,0.95",
+    objective: Annotated[str, typer.Option(help="What to keep: cls, patch (dense) or both")] = "both",
+    calibrate: Annotated[bool, typer.Option(help="Calibrate the VCA candidates (training-free)")] = True,
+    pretrained: Annotated[
+        bool, typer.Option(help="Start from pretrained Hub weights (--no-pretrained: random)")
+    ] = True,
+    weights: Annotated[Path | None, typer.Option(help="Local weights (.safetensors/.pth) for MODEL")] = None,
+    repeats: Annotated[int, typer.Option(help="Timing rounds per measurement")] = 3,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's)")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing plan file / PNG")] = False,
+) -> None:
+    """Measure MODEL's per-layer sensitivity and latency, and save the plan that meets --budget at the best
+    predicted fidelity (apply it with `vca-patch convert MODEL --plan FILE` or `patch_model(m, load_plan(FILE))`)."""
+    png = png or output.with_suffix(".png")
+    ns = [] if contrast_tokens.strip().lower() == "none" else _numbers(contrast_tokens, int, "--contrast-tokens")
+    fractions = _numbers(merge_fractions, float, "--merge-fractions")
+    try:
+        if not budget > 0:
+            raise PlanError(f"--budget must be a positive latency ratio (e.g. 0.5), got {budget}")
+        if images < 1 or eval_images < 0:
+            raise PlanError("--images must be at least 1 and --eval-images at least 0")
+        for path in (output, png):
+            if path.exists() and not force:
+                raise PlanError(f"{path} exists; pass --force to replace it")
+            if not path.parent.is_dir():
+                raise PlanError(f"cannot write {path}: folder {path.parent} does not exist")
+        files = image_files(calibration_data)
+        if len(files) < images + eval_images:
+            raise PlanError(
+                f"--calibration-data {calibration_data} holds {len(files)} images; --images {images} and "
+                f"--eval-images {eval_images} need {images + eval_images}"
+            )
+        if threads is not None:
+            torch.set_num_threads(threads)
+        net = load_base(model, pretrained=pretrained, weights=weights, img_size=resolution).eval()
+        cfg = getattr(net, "pretrained_cfg", None) or {}
+        norm = {k: tuple(cfg[k]) for k in ("mean", "std") if k in cfg}
+        calib = load_images(files[:images], resolution, **norm)
+        held = load_images(files[images : images + eval_images], resolution, **norm) if eval_images else None
+        with console.status(f"Planning {model} at {resolution} px for {budget:g}x latency..."):
+            result = plan_model(
+                net, calib, budget=budget, resolution=resolution, contrast_tokens=ns, merge_fractions=fractions,
+                calibrate=calibrate, objective=objective, eval_images=held, repeats=repeats, log=console.print,
+            )  # fmt: skip
+    except (PlanError, ConfigError) as exc:
+        fail(str(exc), 2)
+    console.print(plan_table(result))
+    console.print(summary_table(result))
+    fd, tmp = tempfile.mkstemp(prefix=f".{png.name}.", suffix=".png", dir=png.parent)
+    os.close(fd)
+    try:
+        series = {
+            "merging alone (predicted)": [(c.latency, c.cls) for c in result.merging_front],
+            "planner (predicted)": [(c.latency, c.cls) for c in result.front],
+        }
+        measured = result.measured
+        chosen = (
+            (measured["latency_ratio"], measured["cls_cosine"])
+            if measured
+            else (result.chosen.latency, result.chosen.cls)
+        )
+        draw_front(tmp, series, title=f"{model} at {resolution} px", budget=budget, chosen=chosen)
+        save_plan(output, result.config, result.details(model))
+        os.replace(tmp, png)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    console.print(
+        f"[bold green]Saved[/] {output} and {png}; apply with: vca-patch convert {model} --plan {output} -o DIR"
+    )

@@ -1,0 +1,164 @@
+"""`MergeConfig`: token merging (ToMe) as a target, alone or after VCA in the blocks before the first merge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch import nn
+
+from ..attention import CarriedAttention
+from ..config import ConfigError, TargetConfig, VCAConfig
+from .attention import MergingAttention
+from .block import MergeState, MergingForward, block_family
+
+# VCAConfig options a merge config passes to its VCA layers (contrast tokens are per layer, in vca_layers).
+_VCA_OPTIONS = {"softmax", "init", "rms_eps", "prefix_readout", "stage2_temperature", "token_magnitude"}
+_EXPECT_KEYS = ("depth", "dim", "num_heads")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_keys(name: str, mapping: Any) -> dict[int, int]:
+    """{block: non-negative int}, accepting JSON's string keys."""
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"{name} must map block index -> integer, got {mapping!r}")
+    out = {}
+    for key, value in mapping.items():
+        try:
+            index = int(key)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} key {key!r} is not a block index") from None
+        if index < 0 or not _is_int(value) or value < 0:
+            raise ConfigError(f"{name}[{key}] must be a non-negative integer for a non-negative block, got {value!r}")
+        out[index] = value
+    return out
+
+
+@dataclass
+class MergeConfig(TargetConfig):
+    """Token merging (ToMe, Bolya et al., ICLR 2023): bipartite soft matching between attention and MLP.
+
+    Every block's attention becomes softmax attention with proportional attention (log token size added to the
+    logits) and `r` tokens merge after it (size-weighted averages; prefix tokens never merge); the last block copies
+    merged tokens back to their patches, so the output keeps all N tokens. LayerScale (timm `ls1`/`ls2`, DINOv2
+    `layer_scale1/2`) is kept. Supported blocks: timm `VisionTransformer` blocks, transformers `Dinov2Layer`.
+
+    Attributes:
+        r: tokens merged in each block (clipped to half the patch tokens left).
+        schedule: per-block r, [r of block 0, r of block 1, ...]; overrides `r`; blocks past its end merge none.
+        vca_layers: {block: contrast tokens n}: these blocks get VCA instead (see `vca`). VCA needs the patch grid,
+            so every VCA block must come before the first block that merges (r > 0); anything else is refused.
+        vca: VCAConfig options for those blocks (softmax, init, rms_eps, prefix_readout, stage2_temperature,
+            token_magnitude).
+        expect: {"depth", "dim", "num_heads"} of the model a plan was made for; patching another model is refused.
+    """
+
+    target: ClassVar[str] = "merge"
+
+    r: int = 8
+    schedule: list[int] | None = None
+    vca_layers: dict[int, int] | None = None
+    vca: dict[str, Any] = field(default_factory=dict)
+    expect: dict[str, int] | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        if not _is_int(self.r) or self.r < 0:
+            raise ConfigError(f"r must be a non-negative integer (tokens merged per block), got {self.r!r}")
+        if self.schedule is not None:
+            if not isinstance(self.schedule, (list, tuple)) or not all(_is_int(v) and v >= 0 for v in self.schedule):
+                raise ConfigError(
+                    f"schedule must be a list of non-negative integers (r per block), got {self.schedule!r}"
+                )
+            self.schedule = list(self.schedule)
+        if self.vca_layers is not None:
+            layers = _int_keys("vca_layers", self.vca_layers)
+            for n in layers.values():
+                VCAConfig(contrast_tokens=n)  # a perfect square, or its error
+            self.vca_layers = dict(sorted(layers.items())) or None
+        if not isinstance(self.vca, dict) or set(self.vca) - _VCA_OPTIONS:
+            bad = sorted(set(self.vca) - _VCA_OPTIONS) if isinstance(self.vca, dict) else self.vca
+            raise ConfigError(f"vca takes VCAConfig options {sorted(_VCA_OPTIONS)}; got {bad!r}")
+        VCAConfig(**self.vca)  # the options' own checks
+        if self.expect is not None and (
+            not isinstance(self.expect, dict) or sorted(self.expect) != sorted(_EXPECT_KEYS)
+        ):
+            raise ConfigError(f"expect must give {list(_EXPECT_KEYS)}, got {self.expect!r}")
+        vca_blocks = sorted(self.vca_layers or {})
+        first = self.first_merge()
+        if vca_blocks and first is not None and vca_blocks[-1] >= first:
+            late = [i for i in vca_blocks if i >= first]
+            raise ConfigError(
+                f"VCA needs the patch grid, which merging destroys: VCA blocks must all come before the first block "
+                f"that merges (block {first}), but vca_layers asks for blocks {late}. Set their r (and that of every "
+                "earlier block) to 0 in `schedule`, or take them out of vca_layers"
+            )
+
+    def r_for(self, layer_index: int) -> int:
+        """Tokens merged after block `layer_index`'s attention."""
+        if self.schedule is not None:
+            return self.schedule[layer_index] if layer_index < len(self.schedule) else 0
+        return self.r
+
+    def first_merge(self) -> int | None:
+        """The first block that merges, or None (when `schedule` merges nowhere)."""
+        if self.schedule is None:
+            return 0 if self.r > 0 else None
+        return next((i for i, r in enumerate(self.schedule) if r > 0), None)
+
+    def _vca_config(self) -> VCAConfig:
+        return VCAConfig(**self.vca, layer_contrast_tokens=self.vca_layers, seed=self.seed)
+
+    def _check_model(self, depth: int | None, carried: CarriedAttention | None) -> None:
+        if self.expect is None:
+            return
+        found = {}
+        if depth is not None:
+            found["depth"] = depth
+        if carried is not None:
+            found |= {"dim": carried.dim, "num_heads": carried.num_heads}
+        wrong = {k: v for k, v in found.items() if self.expect[k] != v}
+        if wrong:
+            raise ConfigError(
+                f"this merge plan was made for a model with {self.expect}, not one with {found | {}} "
+                f"(differs in {sorted(wrong)}): plan again for this model (vca-patch plan)"
+            )
+
+    def build_layer(self, carried: CarriedAttention, layer_index: int) -> nn.Module:
+        self._check_model(None, carried)
+        if layer_index in (self.vca_layers or {}):
+            return self._vca_config().build_layer(carried, layer_index)
+        return MergingAttention.from_carried(carried)
+
+    def block_forwards(self, blocks: dict[int, tuple[nn.Module, str]]) -> dict[int, MergingForward]:
+        """The merging forwards of the softmax blocks ({block index: (block, attention name)} of every patched site);
+        the VCA blocks run as they are. One `MergeState` is shared by this model's blocks."""
+        indices = sorted(blocks)
+        self._check_model(len(indices), None)
+        if self.schedule is not None and len(self.schedule) > indices[-1] + 1:
+            raise ConfigError(f"schedule gives r for {len(self.schedule)} blocks; this model has {indices[-1] + 1}")
+        vca = self.vca_layers or {}
+        outside = sorted(set(vca) - set(indices))
+        if outside:
+            raise ConfigError(f"vca_layers names blocks {outside}, which are not patched attention blocks here")
+        if indices != list(range(indices[0], indices[-1] + 1)):
+            raise ConfigError(f"token merging converts a run of consecutive blocks; got blocks {indices}")
+        merging = [i for i in indices if i not in vca]
+        if not merging:
+            return {}
+        families = {i: block_family(*blocks[i]) for i in merging}  # refuses unknown blocks before building any
+        state = MergeState()
+        return {
+            i: MergingForward(
+                blocks[i][0], families[i], self.r_for(i), first=i == merging[0], last=i == indices[-1], state=state
+            )
+            for i in merging
+        }
+
+    def layer_settings(self, layer: nn.Module) -> dict[str, Any]:
+        if isinstance(layer, MergingAttention):
+            return {"attention": "softmax (proportional)"}
+        return {"attention": "vca", "contrast_tokens": layer.num_contrast_tokens}

@@ -1,0 +1,26 @@
+"""The conversion planner: per-layer sensitivity, a latency model and a search over softmax / VCA(n) / merging."""
+
+from .front import draw_front
+from .model_info import ModelInfo, PlanError, model_info
+from .plan_file import load_plan, read_plan, save_plan
+from .planner import PlanResult, apply_plan, measure_plan, plan_config, plan_model
+from .search import Candidate, candidates, choose, pareto
+
+__all__ = [
+    "Candidate",
+    "ModelInfo",
+    "PlanError",
+    "PlanResult",
+    "apply_plan",
+    "candidates",
+    "choose",
+    "draw_front",
+    "load_plan",
+    "measure_plan",
+    "model_info",
+    "pareto",
+    "plan_config",
+    "plan_model",
+    "read_plan",
+    "save_plan",
+]

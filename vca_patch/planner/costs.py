@@ -1,0 +1,118 @@
+"""Cost of a plan: tokens per block, the FLOP model's MACs, and a latency model from measured block timings."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..attention import TokenLayout
+from ..bench.flops import AttentionShape, vca_attention_macs
+from ..bench.timing import median, time_interleaved
+from ..config import VCAConfig
+from ..real_weights.load import final_tokens
+from ..surgery import get_patch_state, patch_model
+from .model_info import ModelInfo
+
+
+def merged_away(tokens: int, prefix: int, r: int) -> int:
+    """Tokens one merge of `r` removes from `tokens` (bipartite matching caps it at the A set)."""
+    patches = tokens - prefix
+    limit = (patches + 1) // 2 if patches >= 2 else 0
+    return max(0, min(r, limit))
+
+
+def token_counts(info: ModelInfo, resolution: int, schedule: Sequence[int]) -> list[int]:
+    """Tokens entering each block under a merge schedule (r per block)."""
+    tokens, counts = info.tokens(resolution), []
+    for i in range(info.depth):
+        counts.append(tokens)
+        tokens -= merged_away(tokens, info.num_prefix_tokens, schedule[i] if i < len(schedule) else 0)
+    return counts
+
+
+def plan_macs(info: ModelInfo, resolution: int, schedule: Sequence[int], vca_layers: dict[int, int]) -> float:
+    """MACs of the blocks (FLOP model of bench/flops.py: 2·N²·C softmax, VCA's linear count, token-wise Linears)."""
+    grid = info.grid(resolution)
+    total = 0.0
+    for i, tokens in enumerate(token_counts(info, resolution, schedule)):
+        total += tokens * info.linear_macs_per_token
+        if i in vca_layers:
+            shape = AttentionShape(info.num_prefix_tokens, grid, info.dim, info.num_heads)
+            total += vca_attention_macs(shape, vca_layers[i], exact_prefix=True)
+        else:
+            total += 2.0 * tokens**2 * info.dim
+    return total
+
+
+@dataclass
+class LatencyTable:
+    """Measured batch-1 seconds: one softmax block at several token counts, one VCA block per n at the full grid,
+    the rest of the model (embedding, final norm), and the whole original model."""
+
+    original_s: float
+    other_s: float
+    softmax_tokens: list[int]
+    softmax_s: list[float]
+    vca_s: dict[int, float] = field(default_factory=dict)
+
+    def block_s(self, tokens: int, contrast_tokens: int | None = None) -> float:
+        if contrast_tokens is not None:
+            return self.vca_s[contrast_tokens]
+        return float(np.interp(tokens, self.softmax_tokens, self.softmax_s))
+
+    def ratio(self, info: ModelInfo, resolution: int, schedule: Sequence[int], vca_layers: dict[int, int]) -> float:
+        """Predicted latency of a plan over the original's."""
+        counts = token_counts(info, resolution, schedule)
+        blocks = sum(self.block_s(t, vca_layers.get(i)) for i, t in enumerate(counts))
+        return (self.other_s + blocks) / self.original_s
+
+    def to_dict(self) -> dict:
+        return {
+            "original_ms": 1e3 * self.original_s,
+            "other_ms": 1e3 * self.other_s,
+            "softmax_block_ms": {t: 1e3 * s for t, s in zip(self.softmax_tokens, self.softmax_s, strict=True)},
+            "vca_block_ms": {n: 1e3 * s for n, s in self.vca_s.items()},
+        }
+
+
+@torch.no_grad()
+def measure_latency_table(
+    model: nn.Module, info: ModelInfo, resolution: int, contrast_tokens: Sequence[int], *, repeats: int = 3
+) -> LatencyTable:
+    """Time the original model, its first block at a few token counts and that block as VCA(n) at the full grid."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    full = info.tokens(resolution)
+    prefix = info.num_prefix_tokens
+    counts = sorted({max(prefix + 2, round(prefix + (full - prefix) * f)) for f in (1, 0.6, 0.35, 0.2, 0.1, 0.04)})
+    block = info.blocks(model)[0]
+    fns = {}
+    for tokens in counts:
+        x = torch.randn(1, tokens, info.dim, device=device, dtype=dtype)
+        fns[f"softmax:{tokens}"] = lambda x=x: block(x)
+    image = torch.randn(1, 3, resolution, resolution, device=device, dtype=dtype)
+    fns["original"] = lambda: final_tokens(model, image)
+    x_full = torch.randn(1, full, info.dim, device=device, dtype=dtype)
+    layout = TokenLayout(prefix, info.grid(resolution))
+    vca_models = {}
+    for n in contrast_tokens:
+        twin = copy.deepcopy(model)
+        patch_model(twin, VCAConfig(contrast_tokens=n, layers=[0]))
+        vca_models[n] = twin
+        twin_block, tracker = info.blocks(twin)[0], get_patch_state(twin).tracker
+
+        def run(b=twin_block, t=tracker):
+            with t.scope(layout):
+                return b(x_full)
+
+        fns[f"vca:{n}"] = run
+    times = time_interleaved(fns, device, warmup=1, repeats=repeats)
+    seconds = {name: median(samples) for name, samples in times.items()}
+    softmax = [seconds[f"softmax:{t}"] for t in counts]
+    other = max(0.0, seconds["original"] - info.depth * softmax[-1])
+    return LatencyTable(seconds["original"], other, counts, softmax, {n: seconds[f"vca:{n}"] for n in contrast_tokens})

@@ -1,0 +1,155 @@
+"""`plan_model`: measure, search, apply and check a conversion plan that meets a latency budget."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..merging import MergeConfig
+from ..real_weights.measure import fidelity, latency, tokens
+from ..recovery.calibrate import calibrate as calibrate_model
+from ..surgery import patch_model
+from .costs import LatencyTable, measure_latency_table
+from .model_info import ModelInfo, PlanError, model_info
+from .search import Candidate, candidates, choose, pareto
+from .sensitivity import Sensitivity, measure_sensitivity
+
+DEFAULT_CONTRAST_TOKENS = (16, 49)
+DEFAULT_MERGE_FRACTIONS = (0.3, 0.5, 0.7, 0.85, 0.95)
+
+
+@dataclass
+class PlanResult:
+    """The chosen plan, every candidate, both fronts and what was measured."""
+
+    config: MergeConfig
+    chosen: Candidate
+    candidates: list[Candidate]
+    front: list[Candidate]
+    merging_front: list[Candidate]
+    measured: dict[str, float]
+    info: ModelInfo
+    resolution: int
+    budget: float
+    objective: str
+    sensitivity: Sensitivity
+    table: LatencyTable
+
+    def details(self, model_name: str | None = None) -> dict[str, Any]:
+        """JSON-safe record for the plan file."""
+        return {
+            "model": {"name": model_name, **self.info.expect(), "resolution": self.resolution},
+            "budget": self.budget,
+            "objective": self.objective,
+            "chosen": self.chosen.to_dict(),
+            "measured": self.measured,
+            "front": [c.to_dict() for c in self.front],
+            "merging_front": [c.to_dict() for c in self.merging_front],
+            "latency_table": self.table.to_dict(),
+            "sensitivity": self.sensitivity.to_dict(),
+            "search": "every measured merge schedule (r per block from block j), each with VCA added greedily to the "
+            "blocks before j by latency saved per predicted loss; predicted fidelity adds the measured losses",
+        }
+
+
+def plan_config(candidate: Candidate, info: ModelInfo, *, calibrate: bool = True) -> MergeConfig:
+    """The MergeConfig that applies `candidate` (and refuses other models)."""
+    return MergeConfig(
+        schedule=list(candidate.schedule),
+        vca_layers=dict(candidate.vca_layers) or None,
+        vca={"token_magnitude": True} if calibrate and candidate.vca_layers else {},
+        expect=info.expect(),
+    )
+
+
+def apply_plan(model: nn.Module, config: MergeConfig, calibration: torch.Tensor | None = None) -> nn.Module:
+    """Patch `model` with the plan, in place; calibrate its VCA blocks on `calibration` images when given."""
+    patch_model(model, config)
+    if calibration is not None and config.vca_layers:
+        calibrate_model(model, [calibration])
+    return model
+
+
+def measure_plan(
+    model: nn.Module,
+    config: MergeConfig,
+    images: torch.Tensor,
+    resolution: int,
+    *,
+    calibration: torch.Tensor | None = None,
+    reference: torch.Tensor | None = None,
+    repeats: int = 3,
+    batch: int = 8,
+) -> dict[str, float]:
+    """CLS / patch-token / mean-patch cosine on `images` and measured latency ratio of the plan (on a copy)."""
+    twin = apply_plan(copy.deepcopy(model), config, calibration)
+    reference = tokens(model, images, batch) if reference is None else reference
+    scores = fidelity(reference, tokens(twin, images, batch))
+    timed = latency({"original": model, "plan": twin}, (resolution,), repeats)
+    return {
+        **scores,
+        "latency_ratio": timed["plan"][resolution]["ratio"],
+        "latency_ms": timed["plan"][resolution]["ms"],
+    }
+
+
+def plan_model(
+    model: nn.Module,
+    images: torch.Tensor,
+    *,
+    budget: float,
+    resolution: int,
+    contrast_tokens: Sequence[int] = DEFAULT_CONTRAST_TOKENS,
+    merge_starts: Sequence[int] | None = None,
+    merge_fractions: Sequence[float] = DEFAULT_MERGE_FRACTIONS,
+    calibrate: bool = True,
+    objective: str = "both",
+    eval_images: torch.Tensor | None = None,
+    measure: bool = True,
+    repeats: int = 3,
+    log: Callable[[str], None] | None = None,
+) -> PlanResult:
+    """Plan `model` (unpatched, eval mode) at `resolution` to run within `budget` × the original's latency.
+
+    `images` (calibration, [B, 3, resolution, resolution]) measure each candidate's loss and calibrate VCA;
+    the chosen plan is then applied to a copy and measured on `eval_images` (default: `images`).
+    """
+    log = log or (lambda message: None)
+    if not budget > 0:
+        raise PlanError(f"budget must be a positive latency ratio (e.g. 0.5 = half the original's), got {budget!r}")
+    if images.ndim != 4 or tuple(images.shape[-2:]) != (resolution, resolution):
+        raise PlanError(f"calibration images must be [B, 3, {resolution}, {resolution}], got {tuple(images.shape)}")
+    if any(not 0 < f < 1 for f in merge_fractions):
+        raise PlanError(f"merge fractions must lie in (0, 1), got {list(merge_fractions)}")
+    info = model_info(model)
+    info.grid(resolution)
+    starts = sorted(set(merge_starts if merge_starts is not None else range(0, info.depth, max(1, info.depth // 4))))
+    if any(not 0 <= j < info.depth for j in starts):
+        raise PlanError(f"merge starts must be blocks 0..{info.depth - 1}, got {starts}")
+    log(f"timing blocks at {resolution} px ({info.tokens(resolution)} tokens)")
+    table = measure_latency_table(model, info, resolution, contrast_tokens, repeats=repeats)
+    log(f"measuring sensitivity on {len(images)} images")
+    sens = measure_sensitivity(
+        model, info, images, resolution, contrast_tokens=contrast_tokens, merge_starts=starts,
+        merge_fractions=merge_fractions, calibrate=calibrate, log=log,
+    )  # fmt: skip
+    cands = candidates(info, resolution, table, sens, objective)
+    chosen = choose(cands, budget, objective)
+    config = plan_config(chosen, info, calibrate=calibrate)
+    measured: dict[str, float] = {}
+    if measure:
+        log("measuring the chosen plan")
+        measured = measure_plan(
+            model, config, eval_images if eval_images is not None else images, resolution,
+            calibration=images if calibrate else None, repeats=repeats,
+        )  # fmt: skip
+    return PlanResult(
+        config=config, chosen=chosen, candidates=cands, front=pareto(cands, objective),
+        merging_front=pareto([c for c in cands if c.merging_only], objective), measured=measured, info=info,
+        resolution=resolution, budget=budget, objective=objective, sensitivity=sens, table=table,
+    )  # fmt: skip

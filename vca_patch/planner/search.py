@@ -1,0 +1,134 @@
+"""The plan search: every measured merge schedule, each with a greedy VCA assignment of the blocks before it.
+
+Predicted fidelity is additive in the measured losses (1 − cosine) of the parts, each measured alone; predicted
+latency comes from the measured latency table. For each merge schedule (none, or r per block from block j on),
+VCA(n) is added greedily to blocks before j, best latency saved per predicted loss first (switching a block to
+a smaller n counts as a move too); every step is a candidate. The chosen plan is the candidate with the best
+predicted objective within the budget; the Pareto front is over (predicted latency ratio, predicted objective).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .costs import LatencyTable, plan_macs
+from .model_info import ModelInfo, PlanError
+from .sensitivity import Sensitivity
+
+OBJECTIVES = ("cls", "patch", "both")
+
+
+@dataclass
+class Candidate:
+    schedule: list[int]  # r per block
+    vca_layers: dict[int, int] = field(default_factory=dict)
+    latency: float = 1.0  # predicted ratio to the original
+    macs_ratio: float = 1.0  # FLOP model's ratio to the original
+    cls: float = 1.0  # predicted CLS cosine
+    patch: float = 1.0  # predicted mean patch-token cosine
+
+    def score(self, objective: str) -> float:
+        return {"cls": self.cls, "patch": self.patch, "both": 0.5 * (self.cls + self.patch)}[objective]
+
+    @property
+    def merging_only(self) -> bool:
+        return not self.vca_layers
+
+    def describe(self) -> str:
+        merging = [(i, r) for i, r in enumerate(self.schedule) if r]
+        parts = []
+        if self.vca_layers:
+            parts.append("VCA " + ", ".join(f"{i}:n={n}" for i, n in sorted(self.vca_layers.items())))
+        if merging:
+            parts.append(f"merge r={merging[0][1]} from block {merging[0][0]}")
+        return "; ".join(parts) or "original (softmax everywhere)"
+
+    def to_dict(self) -> dict:
+        return {
+            "schedule": self.schedule,
+            "vca_layers": self.vca_layers,
+            "predicted_latency_ratio": self.latency,
+            "macs_ratio": self.macs_ratio,
+            "predicted_cls_cosine": self.cls,
+            "predicted_patch_cosine": self.patch,
+            "plan": self.describe(),
+        }
+
+
+def _candidate(info, resolution, table, sens, schedule, vca, merge_key, base_macs) -> Candidate:
+    cls_loss = sens.merge[merge_key].cls if merge_key else 0.0
+    patch_loss = sens.merge[merge_key].patch if merge_key else 0.0
+    for block, n in vca.items():
+        cls_loss += sens.vca[(block, n)].cls
+        patch_loss += sens.vca[(block, n)].patch
+    return Candidate(
+        schedule=list(schedule),
+        vca_layers=dict(sorted(vca.items())),
+        latency=table.ratio(info, resolution, schedule, vca),
+        macs_ratio=plan_macs(info, resolution, schedule, vca) / base_macs,
+        cls=1.0 - cls_loss,
+        patch=1.0 - patch_loss,
+    )
+
+
+def candidates(
+    info: ModelInfo, resolution: int, table: LatencyTable, sens: Sensitivity, objective: str = "both"
+) -> list[Candidate]:
+    """Every candidate plan the greedy search visits (the original included)."""
+    if objective not in OBJECTIVES:
+        raise PlanError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    base_macs = plan_macs(info, resolution, [], {})
+    ns = sorted({n for _, n in sens.vca})
+    schedules: list[tuple[list[int], tuple[int, int] | None, int]] = [([0] * info.depth, None, info.depth)]
+    for start, r in sorted(sens.merge):
+        schedules.append(([0] * start + [r] * (info.depth - start), (start, r), start))
+    out = []
+    for schedule, key, first in schedules:
+        vca: dict[int, int] = {}
+        current = _candidate(info, resolution, table, sens, schedule, vca, key, base_macs)
+        out.append(current)
+        while True:
+            best, best_value = None, None
+            for block in range(first):
+                for n in ns:
+                    if (block, n) not in sens.vca or (block in vca and n >= vca[block]):
+                        continue
+                    trial = _candidate(info, resolution, table, sens, schedule, {**vca, block: n}, key, base_macs)
+                    saved = current.latency - trial.latency
+                    lost = current.score(objective) - trial.score(objective)
+                    if saved <= 0:
+                        continue
+                    value = saved / max(lost, 1e-6)
+                    if best_value is None or value > best_value:
+                        best, best_value = trial, value
+            if best is None:
+                break
+            vca, current = best.vca_layers, best
+            out.append(current)
+    return out
+
+
+def pareto(cands: Sequence[Candidate], objective: str) -> list[Candidate]:
+    """The candidates no other beats on both predicted latency and objective, fastest first."""
+    front, best = [], float("-inf")
+    for cand in sorted(cands, key=lambda c: (c.latency, -c.score(objective))):
+        if cand.score(objective) > best:
+            front.append(cand)
+            best = cand.score(objective)
+    return front
+
+
+def choose(cands: Sequence[Candidate], budget: float, objective: str) -> Candidate:
+    """The best predicted objective within `budget` (latency ratio); PlanError naming the closest plan if none fits."""
+    if not budget > 0:
+        raise PlanError(f"budget must be a positive latency ratio (e.g. 0.5 = half the original's), got {budget!r}")
+    fitting = [c for c in cands if c.latency <= budget]
+    if not fitting:
+        fastest = min(cands, key=lambda c: c.latency)
+        raise PlanError(
+            f"no plan meets the latency budget {budget:.2f}x: the fastest measured plan reaches "
+            f"{fastest.latency:.2f}x ({fastest.describe()}, predicted CLS cosine {fastest.cls:.3f}); raise the "
+            "budget, or let the planner merge more (--merge-fractions up to 0.95)"
+        )
+    return max(fitting, key=lambda c: (c.score(objective), -c.latency))
