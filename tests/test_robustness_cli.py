@@ -113,6 +113,16 @@ CASES = [  # (id, args with {name} placeholders, input names, exit code, substri
      "--contrast-tokens", "50", "-o", "{out}"], [], 2, ["--contrast-tokens is for --to vca, not --to mano"]),
     ("convert-hub-hint-without-given-option", ["convert", "google/vit-base-patch16-224", "--no-pretrained", "-o",
      "{out}"], [], 1, ["unreachable", "also with --no-pretrained"]),
+    ("convert-split-without-data", ["convert", "deit_tiny_patch16_224", "--no-pretrained", "--split", "calib", "-o",
+     "{out}"], [], 2, ["--split choose splits of --calibration-data"]),
+    ("convert-probe-size-0", ["convert", "deit_tiny_patch16_224", "--no-pretrained", "--probe-size", "0", "-o",
+     "{out}"], [], 2, ["--probe-size must be at least 1 image"]),
+    ("convert-calibration-images-0", ["convert", "deit_tiny_patch16_224", "--no-pretrained", "--calibration-images",
+     "0", "-o", "{out}"], [], 2, ["--calibration-images must be at least 1 image"]),
+    ("convert-missing-calibration-split", ["convert", "deit_tiny_patch16_224", "--no-pretrained", "--calibration-data",
+     "{ckpt}", "--calibration-kind", "imagefolder", "-o", "{out}"], ["ckpt"], 2, ["has no split 'train'", "--split"]),
+    ("fidelity-missing-split", ["fidelity", "{ckpt}", "--data", "{ckpt}", "--data-kind", "imagefolder", "--device",
+     "cpu"], ["ckpt"], 2, ["has no split 'test'", "--split"]),
     ("finetune-out-is-input", ["finetune", "{ckpt}", "--recipe", str(RECIPE), "-o", "{ckpt}"], ["ckpt"], 2,
      ["is the converted checkpoint"]),
     ("finetune-out-inside-input", ["finetune", "{ckpt}", "--recipe", str(RECIPE), "-o", "{ckpt}/run"], ["ckpt"], 2,
@@ -203,3 +213,14 @@ def test_a_recipe_whose_images_do_not_fit_the_model_stops_before_training(files,
     with pytest.raises(DatasetError, match=r"images of shape \(1, 224, 224\), but the model takes \(3, 224, 224\)"):
         check_data_fits(gray, (3, 224, 224), load_recipe(RECIPE))
     check_data_fits([(torch.zeros(3, 224, 224), 0)], (3, 224, 224), load_recipe(RECIPE))
+
+
+def test_an_error_message_keeps_its_square_brackets(capsys):
+    """`pip install 'vca-patch[hf]'` reaches the user whole: messages are text, not rich markup."""
+    import typer
+
+    from vca_patch.cli.common import fail
+
+    with pytest.raises(typer.Exit):
+        fail("install it with pip install 'vca-patch[hf]'")
+    assert "pip install 'vca-patch[hf]'" in capsys.readouterr().err

@@ -175,3 +175,142 @@ def test_values_that_are_not_numbers_name_their_key(tmp_path, stage, message):
     with pytest.raises(RecipeError) as info:
         load_recipe(_recipe(tmp_path, stage))
     assert message in str(info.value)
+
+
+# --- --split / --eval-split on convert ------------------------------------------------------------------------
+
+
+def test_convert_calibrates_on_the_named_split_and_measures_on_the_other(tmp_path, monkeypatch):
+    from vca_patch.cli.fidelity import calibrate_for_convert
+
+    fidelity_module = importlib.import_module("vca_patch.fidelity")
+    recovery = importlib.import_module("vca_patch.recovery")
+    seen: dict[str, int] = {}
+    monkeypatch.setattr(recovery, "calibrate", lambda net, loader: seen.update(calibrated=len(loader.dataset)))
+    monkeypatch.setattr(
+        fidelity_module, "fidelity", lambda a, b, loader: seen.update(measured=len(loader.dataset)) or SimpleNamespace(
+            summary=dict)
+    )  # fmt: skip
+    model, _ = tiny(img_size=32, depth=1)
+    patch_model(model, vca_patch.VCAConfig(contrast_tokens=4))
+    _images(tmp_path / "calib", 2, 3)
+    _images(tmp_path / "holdout", 2, 1, seed=1)
+    _, where = calibrate_for_convert(model, tmp_path, None, 256, None, split="calib", eval_split="holdout")
+    assert seen == {"calibrated": 6, "measured": 2} and where.startswith("2 held-out images")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--split", "calib"], "--split choose splits of --calibration-data; pass it too"),
+        (["--probe-size", "0"], "--probe-size must be at least 1 image, got 0"),
+        (["--calibration-images", "0"], "--calibration-images must be at least 1 image, got 0"),
+        (["--to", "mano", "--eval-split", "val"], "--eval-split is for --to vca, not --to mano"),
+    ],
+)
+def test_convert_refuses_split_and_size_options_that_cannot_apply(tmp_path, extra, message):
+    result = runner.invoke(app, ["convert", "deit_tiny_patch16_224", "--no-pretrained", "-o", str(tmp_path / "o"),
+                                 *extra])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1] == f"error: {message}" or message in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_convert_refuses_to_measure_calibration_on_its_own_images(tmp_path):
+    _images(tmp_path / "data" / "train", 2, 2)
+    args = ["convert", "deit_tiny_patch16_224", "--no-pretrained", "--img-size", "32", "--contrast-tokens", "4",
+            "--device", "cpu", "--probe-size", "1", "--calibration-data", str(tmp_path / "data"), "--split", "train",
+            "--eval-split", "training", "-o", str(tmp_path / "o")]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("error: --split train and --eval-split training are both") and "held-out split" in line
+    assert not (tmp_path / "o").exists()
+
+
+# --- Fashion-MNIST for an RGB model (timm's data config) ------------------------------------------------------
+
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+
+
+@pytest.mark.skipif(not FASHION.is_dir(), reason="needs Debian's dataset-fashion-mnist")
+def test_fashion_mnist_meets_an_rgb_model_at_its_size_and_normalisation():
+    from vca_patch.data.fashion_mnist import load_fashion_mnist
+
+    spec = DataSpec(kind="fashion_mnist", path=str(FASHION), eval_limit=3)
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    cfg = {"input_size": (3, 28, 28), "mean": mean, "std": std, "crop_pct": 1.0, "interpolation": "bilinear"}
+    rgb = build_dataset(spec, "test", training=False, img_size=28, model_cfg=cfg)
+    raw = load_fashion_mnist("test", FASHION, limit=3, normalize=False)  # [0, 1] grey, the reference
+    assert len(rgb) == 3
+    for (image, label), (grey, grey_label) in zip(rgb, raw, strict=True):
+        assert image.shape == (3, 28, 28) and label == int(grey_label)
+        pixels = image * torch.tensor(std).view(3, 1, 1) + torch.tensor(mean).view(3, 1, 1)  # undo the model's norm
+        assert (pixels - grey).abs().max() < 1e-6  # each channel is the grey image
+    big = build_dataset(spec, "test", training=False, img_size=56, model_cfg={**cfg, "input_size": (3, 56, 56)})
+    assert big[0][0].shape == (3, 56, 56)
+    one_channel = build_dataset(spec, "test", training=False, img_size=28, model_cfg={"input_size": (1, 28, 28)})
+    assert one_channel[0][0].shape == (1, 28, 28)  # a model built for Fashion-MNIST gets it as before
+
+
+# --- messages and cards that must be true ---------------------------------------------------------------------
+
+
+def test_every_command_a_help_text_names_exists(monkeypatch, capsys):
+    """`vca-patch X`, `python -m vca_patch X` and `accelerate launch -m vca_patch X` in any help name a command."""
+    import re
+    import runpy
+    import sys
+
+    import typer.main
+
+    commands = set(typer.main.get_command(app).commands)
+    named: set[str] = set()
+    for name in [None, *commands]:
+        result = runner.invoke(app, [*([name] if name else []), "--help"], env={"COLUMNS": "200"})
+        assert ("Usage:" in result.output and result.exception is None) or isinstance(result.exception, SystemExit)
+        named |= set(re.findall(r"(?:vca-patch|-m vca_patch)\s+([a-z][a-z-]+)", result.output))
+    assert {"finetune", "convert"} <= named and named <= commands, named - commands
+    monkeypatch.setattr(sys, "argv", ["vca_patch", "finetune", "--help"])  # what `python -m vca_patch` runs
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("vca_patch", run_name="__main__")
+    assert exit_info.value.code == 0 and "Recover CONVERTED with RECIPE" in capsys.readouterr().out
+
+
+def test_the_card_of_random_weights_says_so_and_names_its_target(tmp_path):
+    from vca_patch.didb import DIDBConfig
+
+    cards = {}
+    for name, config in {"vca": vca_patch.VCAConfig(contrast_tokens=4), "mano": vca_patch.MANOConfig(),
+                         "didb": DIDBConfig()}.items():  # fmt: skip
+        model, args = tiny(img_size=32, depth=1)
+        report = patch_model(model, config)
+        assert str(report).startswith({"vca": "VCA", "mano": "MANO", "didb": "DIDB"}[name] + " patch (timm-vit)")
+        ckpt = vca_patch.save_pretrained(
+            model, tmp_path / name, model_args=args, metadata={"base_weights": "random", "model_name": "x"}
+        )
+        cards[name] = (ckpt / "README.md").read_text()
+    title = {card.split("\n# ", 1)[1].split("\n", 1)[0] for card in cards.values()}
+    assert title == {
+        "deit_tiny_patch16_224 (random weights) with Visual-Contrast Attention (VCA)",
+        "deit_tiny_patch16_224 (random weights) with Multipole Attention (MANO)",
+        "deit_tiny_patch16_224 (random weights) with DIDB",
+    }  # no pretrained tag (.fb_in1k) on weights that are not those
+    for card in cards.values():
+        assert "> **Random weights.**" in card and "classifies at chance" in card
+        assert f"# needs vca-patch >= {vca_patch.__version__}: in its source tree, pip install '.'" in card
+        assert "pypi.org/project/vca-patch" not in card  # not published there
+    assert "visual-contrast-attention" not in cards["didb"] and "linear-attention" not in cards["didb"]
+
+
+def test_a_transformers_card_installs_the_hf_extra_and_pretrained_weights_keep_their_tag():
+    from vca_patch.io.model_card import render_model_card
+
+    meta = {
+        "base": {"library": "transformers", "architecture": "google/vit-base-patch16-224", "license": None},
+        "config": vca_patch.VCAConfig().to_dict(), "layers": {}, "params": {"before": 1, "after": 2},
+        "vca_patch_version": "0.1.0", "metadata": {"base_weights": "pretrained"},
+    }  # fmt: skip
+    card = render_model_card(meta)
+    assert "pip install '.[hf]'" in card and "Random weights" not in card
+    assert "\n# google/vit-base-patch16-224 with Visual-Contrast Attention (VCA)\n" in card

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from .errors import DatasetError
-from .fashion_mnist import DEFAULT_ROOT, load_fashion_mnist
+from .fashion_mnist import DEFAULT_ROOT, FashionMNISTAsRGB, load_fashion_mnist
 from .imagefolder import load_imagefolder
 
 
@@ -46,14 +46,21 @@ class HFImageDataset(Dataset):
 def build_dataset(
     spec: Any, split: str, *, training: bool, img_size: int, model_cfg: dict[str, Any] | None = None
 ) -> Dataset:
-    """The train or eval split described by a recipe's `data` section (a `DataSpec`)."""
+    """The train or eval split described by a recipe's `data` section (a `DataSpec`).
+
+    `model_cfg` is the model's timm data config (its `input_size`, mean, std, crop): ImageFolder and Hub images go
+    through timm's transform for it; Fashion-MNIST's grey images too when the model takes RGB input (a model built
+    for them, one channel, gets them as they are, resized to `img_size` or the recipe's data.img_size)."""
     limit = spec.train_limit if training else spec.eval_limit
     name = spec.train_split if training else spec.eval_split
+    cfg = dict(model_cfg or {})
+    channels = int(cfg.get("input_size", (1,))[0])
+    cfg.setdefault("input_size", (3, img_size, img_size))
     if spec.kind == "fashion_mnist":
         root = spec.path or DEFAULT_ROOT
+        if channels == 3 and not spec.img_size:  # an RGB model: its own size and normalisation, as timm would
+            return FashionMNISTAsRGB(name, root, limit=limit, transform=_timm_transform(cfg, False, "none"))
         return load_fashion_mnist(name, root, limit=limit, img_size=spec.img_size or img_size)
-    cfg = dict(model_cfg or {})
-    cfg.setdefault("input_size", (3, img_size, img_size))
     transform = _timm_transform(cfg, training, spec.augment)
     if spec.kind == "imagefolder":
         if not spec.path:

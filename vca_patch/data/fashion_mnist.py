@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gzip
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.utils.data import TensorDataset
+from PIL import Image
+from torch.utils.data import Dataset, TensorDataset
 
 from .errors import DatasetError
 
@@ -48,6 +50,39 @@ def read_idx(path: str | Path) -> torch.Tensor:
     return data.view(*shape)
 
 
+def _read_split(split: str, root: str | Path | None, limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split's uint8 images [N, 28, 28] and uint8 labels [N] (the first `limit`)."""
+    if split not in _FILES:
+        raise DatasetError(f"Fashion-MNIST split must be one of {sorted(_FILES)}, got {split!r}")
+    root = Path(root) if root is not None else DEFAULT_ROOT
+    if not root.is_dir():
+        raise DatasetError(
+            f"Fashion-MNIST folder {root} does not exist; install `dataset-fashion-mnist` (apt) or pass its folder"
+        )
+    images = read_idx(_find(root, _FILES[split][0]))
+    labels = read_idx(_find(root, _FILES[split][1]))
+    if limit is not None:
+        images, labels = images[:limit], labels[:limit]
+    return images, labels
+
+
+class FashionMNISTAsRGB(Dataset):
+    """Fashion-MNIST for a model built for RGB photos: each 28×28 grey image becomes an RGB PIL image and goes
+    through `transform` (timm's eval transform from the model's data config: its size, crop and normalisation),
+    one image at a time, so no full-size copy of the split is held in memory."""
+
+    def __init__(self, split: str, root: str | Path | None, *, limit: int | None, transform: Callable) -> None:
+        self.images, self.labels = _read_split(split, root, limit)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        image = Image.fromarray(self.images[int(i)].numpy(), mode="L").convert("RGB")
+        return self.transform(image), int(self.labels[int(i)])
+
+
 def load_fashion_mnist(
     split: str = "train",
     root: str | Path | None = None,
@@ -60,17 +95,7 @@ def load_fashion_mnist(
 
     `limit` keeps the first `limit` examples (a stratified-enough subset: the files are shuffled).
     """
-    if split not in _FILES:
-        raise DatasetError(f"Fashion-MNIST split must be one of {sorted(_FILES)}, got {split!r}")
-    root = Path(root) if root is not None else DEFAULT_ROOT
-    if not root.is_dir():
-        raise DatasetError(
-            f"Fashion-MNIST folder {root} does not exist; install `dataset-fashion-mnist` (apt) or pass its folder"
-        )
-    images = read_idx(_find(root, _FILES[split][0]))
-    labels = read_idx(_find(root, _FILES[split][1]))
-    if limit is not None:
-        images, labels = images[:limit], labels[:limit]
+    images, labels = _read_split(split, root, limit)
     x = images.float().div_(255.0).unsqueeze(1)
     if img_size != x.shape[-1]:
         x = torch.nn.functional.interpolate(x, size=(img_size, img_size), mode="bilinear", align_corners=False)

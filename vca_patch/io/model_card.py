@@ -28,6 +28,8 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCardData
 
+from ..surgery.report import target_name
+
 PAPER = "https://arxiv.org/abs/2511.00833"
 TASK = "image-classification"
 ACCURACY_KEYS = ("teacher_top1", "before_top1", "after_top1", "agreement_after")
@@ -38,6 +40,9 @@ _METRIC_LABELS = {
     "agreement_after": "top-1 agreement with the original, after fine-tuning",
 }
 _METRIC_TEXT_KEYS = ("dataset", "split", "dataset_name")
+_TAGS = {"vca": ["vca", "visual-contrast-attention", "linear-attention"],
+         "mano": ["mano", "multipole-attention", "linear-attention"]}  # fmt: skip
+_EXTRAS = {"transformers": "hf", "diffusers": "diffusers"}  # base library -> the vca-patch extra that loads it
 
 
 def recipe_metadata(
@@ -134,9 +139,9 @@ def _eval_results(extra: dict[str, Any]) -> list[EvalResult]:
 
 def _front_matter(meta: dict[str, Any], repo_id: str | None) -> str:
     base, extra = meta["base"], meta.get("metadata", {})
-    mano = meta["config"].get("target") == "mano"
-    method = ["mano", "multipole-attention"] if mano else ["vca", "visual-contrast-attention"]
-    tags = ["vca-patch", *method, "linear-attention", TASK, base["library"]]
+    target = meta["config"].get("target", "vca")
+    method = _TAGS.get(target, [target])
+    tags = ["vca-patch", *method, TASK, base["library"]]
     data: dict[str, Any] = {"library_name": "vca-patch", "tags": tags, "pipeline_tag": TASK}
     if base.get("license"):
         data["license"] = base["license"]
@@ -148,7 +153,7 @@ def _front_matter(meta: dict[str, Any], repo_id: str | None) -> str:
         data["datasets"] = _dataset_names(extra)
     results = _eval_results(extra)
     if results:
-        data["model_name"] = repo_id or f"{_arch(base)}-vca"
+        data["model_name"] = repo_id or f"{_arch(base)}-{target}"
         data["eval_results"] = results
     return ModelCardData(**data).to_yaml()
 
@@ -234,8 +239,8 @@ def _generic_method(config: dict[str, Any]) -> tuple[str, str, str, str]:
 
     cls = CONFIG_TYPES.get(config.get("target"))
     summary = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".") if cls is not None else ""
-    name = summary or f"the {config.get('target')} target"
-    intro = f"{name}, applied with [vca-patch](https://pypi.org/project/vca-patch/)."
+    name = target_name(str(config.get("target")))
+    intro = f"vca-patch's {name} target" + (f" ({summary})." if summary else ".")
     rows = "\n".join(f"| {key} | {value} |" for key, value in config.items() if key not in _SELECTION_FIELDS)
     return name, intro, rows, getattr(cls, "citation", "") or "% no citation recorded for this target"
 
@@ -244,7 +249,7 @@ def _mano_method(config: dict[str, Any]) -> tuple[str, str, str, str]:
     levels = config["levels"] if config.get("levels") is not None else "auto"
     intro = (
         "[Multipole Attention](https://arxiv.org/abs/2507.02748) (MANO) with\n"
-        f"[vca-patch](https://pypi.org/project/vca-patch/). MANO attends within {config['window']}×"
+        "vca-patch. MANO attends within {config['window']}×"
         f"{config['window']} windows on a hierarchy of grids\ncoarsened by {config['rate']} "
         "and combined in a V-cycle, so attention costs O(N·C·(C + k²)) instead of O(N²·C)."
     )
@@ -254,13 +259,13 @@ def _mano_method(config: dict[str, Any]) -> tuple[str, str, str, str]:
         f"| prefix tokens | {config['prefix']} |\n"
         f"| initialisation | {config['init']} |"
     )
-    return "Multipole Attention", intro, rows, _MANO_CITATION
+    return "Multipole Attention (MANO)", intro, rows, _MANO_CITATION
 
 
 def _vca_method(config: dict[str, Any]) -> tuple[str, str, str, str]:
     intro = (
         f"[Visual-Contrast Attention]({PAPER}) (VCA, NeurIPS 2025) with\n"
-        f"[vca-patch](https://pypi.org/project/vca-patch/). VCA attends through {config['contrast_tokens']} pooled\n"
+        f"vca-patch. VCA attends through {config['contrast_tokens']} pooled\n"
         "contrast tokens, so attention costs O(N·n·C) instead of O(N²·C) in the number of tokens N."
     )
     rows = (
@@ -268,17 +273,36 @@ def _vca_method(config: dict[str, Any]) -> tuple[str, str, str, str]:
         f"| Stage-II softmax | {config['softmax']} |\n"
         f"| initialisation | {config['init']} |"
     )
-    return "Visual-Contrast Attention", intro, rows, _VCA_CITATION
+    return "Visual-Contrast Attention (VCA)", intro, rows, _VCA_CITATION
 
 
 _METHODS = {"vca": _vca_method, "mano": _mano_method}  # targets with a hand-written card text; others: generic
+
+
+def _install_line(meta: dict[str, Any]) -> str:
+    """The comment that says how to get a vca-patch that loads this checkpoint (vca-patch is not on PyPI: from
+    its source tree, with the extra its base library needs, at least the version that wrote it)."""
+    extra = _EXTRAS.get(meta["base"].get("library", ""))
+    spec = "." + (f"[{extra}]" if extra else "")
+    return f"# needs vca-patch >= {meta['vca_patch_version']}: in its source tree, pip install '{spec}'"
+
+
+def _weights_note(meta: dict[str, Any], arch: str) -> str:
+    """A warning for a checkpoint converted from random base weights (a demonstration, not a trained model)."""
+    if meta.get("metadata", {}).get("base_weights") != "random":
+        return ""
+    return (
+        f"\n> **Random weights.** `{arch}` was built with random weights (`--no-pretrained`) before conversion:\n"
+        "> this checkpoint shows the conversion works; it has learned nothing and classifies at chance.\n"
+    )
 
 
 def render_model_card(meta: dict[str, Any], repo_id: str | None = None) -> str:
     """README.md for a checkpoint from its config.json content; `repo_id` fills in the usage snippet."""
     base, config, layers = meta["base"], meta["config"], meta["layers"]
     extra = meta.get("metadata", {})
-    arch = _arch(base)
+    random_weights = extra.get("base_weights") == "random"
+    arch = base["architecture"] if random_weights else _arch(base)  # a pretrained tag names weights it has not
     blocks = ", ".join(str(v["layer_index"]) for v in layers.values())
     before, after = meta["params"]["before"], meta["params"]["after"]
     base_model = _base_model(meta)
@@ -307,8 +331,8 @@ model = timm.create_model("hf-hub:{target}", pretrained=True)
 {_front_matter(meta, repo_id)}
 ---
 
-# {arch} with {method_name}
-
+# {arch}{" (random weights)" if random_weights else ""} with {method_name}
+{_weights_note(meta, arch)}
 This is `{arch}` ({base["library"]}) whose softmax self-attention was replaced by
 {method_intro}
 
@@ -336,7 +360,7 @@ Base model: {base_line}
 ## Usage
 
 ```python
-# pip install vca-patch
+{_install_line(meta)}
 import vca_patch
 
 model = vca_patch.from_pretrained("{target}")  # rebuilds {arch}, re-applies {method_name}, loads weights

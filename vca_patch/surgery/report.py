@@ -9,9 +9,23 @@ from ..adapters import SkippedSite
 from ..attention import TokenLayout
 
 
+def settings_items(settings: dict[str, Any]) -> list[str]:
+    """{"contrast_tokens": 49, "grid": "window 7x7 + global 56x56"} -> ["contrast_tokens=49",
+    "grid=window 7x7 + global 56x56"]: one "key=value" per setting (a value may hold spaces)."""
+    return [f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in settings.items()]
+
+
 def settings_text(settings: dict[str, Any]) -> str:
     """{"contrast_tokens": 49, "lambda_init": 0.2} -> "contrast_tokens=49 lambda_init=0.200"."""
-    return " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in settings.items())
+    return " ".join(settings_items(settings))
+
+
+TARGET_NAMES = {"vca": "VCA", "mano": "MANO", "didb": "DIDB"}  # how reports and cards name a target
+
+
+def target_name(target: str) -> str:
+    """`"mano"` -> `"MANO"`: the display name of a registered target (its upper-cased key when not listed)."""
+    return TARGET_NAMES.get(target, target.upper())
 
 
 @dataclass
@@ -40,6 +54,7 @@ class PatchReport:
     params_before: int
     params_after: int
     layout: TokenLayout | None = None  # prefix tokens and grid at the native input size
+    target: str = "vca"  # the TargetConfig.target the sites were (or would be) converted to
 
     @property
     def params_added(self) -> int:
@@ -48,6 +63,7 @@ class PatchReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "adapter": self.adapter,
+            "target": self.target,
             "patched": [asdict(s) for s in self.patched],
             "skipped": [asdict(s) for s in self.skipped],
             "params_before": self.params_before,
@@ -57,7 +73,7 @@ class PatchReport:
 
     def __str__(self) -> str:
         lines = [
-            f"VCA patch ({self.adapter}): {len(self.patched)} attention modules patched, "
+            f"{target_name(self.target)} patch ({self.adapter}): {len(self.patched)} attention modules patched, "
             f"{len(self.skipped)} skipped; parameters {self.params_before:,} -> {self.params_after:,} "
             f"(+{self.params_added:,})"
         ]
