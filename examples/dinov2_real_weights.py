@@ -1,6 +1,6 @@
 """Real weights, end to end: DINOv2 ViT-S/14 -> convert -> calibrate -> recover -> measure.
 
-    python examples/dinov2_real_weights.py                # 224 px, 10 minutes of feature distillation (CPU)
+    python examples/dinov2_real_weights.py                # 224 px, 10 minutes of attention transfer (CPU)
     python examples/dinov2_real_weights.py --minutes 4    # a shorter recovery
     python examples/dinov2_real_weights.py --quick        # ~1 minute at 112 px (tests)
 
@@ -9,8 +9,9 @@
 2. convert: `patch_model(model, VCAConfig(token_magnitude=True))` (VCA with a per-token output gain);
 3. calibrate, training-free: `calibrate(model, batches, grow_tokens=0.4)` on at most 64 unlabelled crops of the
    calibration photos (layers whose error stays above 0.4 get more contrast tokens);
-4. recover: `recipes/dinov2_small.yaml` (feature distillation: 1 - cosine of every final token to the frozen
-   original's) run by the recipe engine on unlabelled crops of the same calibration photos, its step count set
+4. recover: `recipes/dinov2_small.yaml` (layer-wise attention transfer: each VCA layer, fed the frozen original's
+   input, learns the original attention output; end-to-end feature distillation measured worse here) run by the
+   recipe engine on unlabelled crops of the same calibration photos, its step count set
    from --minutes by timing one training step;
 5. measure, on held-out photos never calibrated or trained on (`benchmarks/real_weights.py`'s measures): CLS and
    per-patch-token cosine to the original, and the batch-1 CPU latency ratio at 224 px.
@@ -99,10 +100,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def budget_recipe(recipe: Recipe, seconds_per_step: float, minutes: float, batch_size: int | None) -> Recipe:
-    """`recipe` with its one distill stage's steps (and warmup) set to fill `minutes` at `seconds_per_step`."""
+    """`recipe` with its one training stage's steps (and warmup) set to fill `minutes` at `seconds_per_step`."""
     stages = [s for s in recipe.stages if s.kind != "calibrate"]
-    if len(stages) != 1 or stages[0].kind != "distill":
-        raise SystemExit(f"{recipe.name}: this example runs a recipe with one distill stage, got {recipe.stages}")
+    if len(stages) != 1 or stages[0].kind not in ("distill", "attention_transfer"):
+        raise SystemExit(
+            f"{recipe.name}: this example runs a recipe with one distill or attention_transfer stage, "
+            f"got {recipe.stages}"
+        )
     steps = max(1, int(minutes * 60 / seconds_per_step))
     stage = replace(stages[0], steps=steps, warmup_steps=min(stages[0].warmup_steps, steps // 4))
     train = recipe.train if batch_size is None else replace(recipe.train, batch_size=batch_size)
@@ -126,7 +130,7 @@ def seconds_per_step(student: nn.Module, teacher: nn.Module, recipe: Recipe, cro
 def recover(
     calibrated: nn.Module, original: nn.Module, args: argparse.Namespace, output: Path
 ) -> tuple[nn.Module, dict]:
-    """A copy of `calibrated`, feature-distilled from `original` on unlabelled crops for about `args.minutes`."""
+    """A copy of `calibrated`, trained by the recipe against `original` on unlabelled crops for about `args.minutes`."""
     crops = calibration_images(args.train_crops, args.size, seed=args.seed + 2)  # other crops of the same photos
     recipe = load_recipe(args.recipe)
     batch = args.batch_size or recipe.train.batch_size
