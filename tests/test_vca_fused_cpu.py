@@ -1,6 +1,7 @@
 """VCA's fused CPU kernel: the same function as the float64 reference and the composite path, used only where
 it applies, rebuilt constants after parameter updates, and a clean fallback when it cannot be built."""
 
+import copy
 import os
 import warnings
 
@@ -154,13 +155,12 @@ def _fused_module_qkv(module: VisualContrastAttention, x: torch.Tensor):
 
 
 def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
-    state = {"loaded": False, "error": None, "override": None}
-    monkeypatch.setattr(fused_cpu, "_state", state)
-
     def no_compiler() -> None:
         raise RuntimeError("Error building extension\nc++: error: command not found\nninja: build stopped")
 
-    monkeypatch.setattr(fused_cpu, "_build", no_compiler)
+    extension = copy.copy(fused_cpu._EXTENSION)  # a kernel never built yet, whose build fails
+    extension.loaded, extension.error, extension._build = False, None, no_compiler
+    monkeypatch.setattr(fused_cpu, "_EXTENSION", extension)
     module = _randomised(VisualContrastAttention(16, 2, contrast_grid=(2, 2)))
     x, layout = torch.randn(1, 16, 16), TokenLayout(0, (4, 4))
     with pytest.warns(RuntimeWarning, match="c\\+\\+: error: command not found"), torch.no_grad():

@@ -12,14 +12,12 @@ compiler, or with VCA_PATCH_CPU_KERNEL=0, VCA keeps its composite path (same num
 from __future__ import annotations
 
 import logging
-import os
-import threading
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
+
+from ..cpu_extension import LazyCppExtension, failure_reason
 
 ENV_SWITCH = "VCA_PATCH_CPU_KERNEL"
 _SOURCE = Path(__file__).with_name("csrc") / "vca_attend_cpu.cpp"
@@ -29,8 +27,7 @@ _CAPABILITY_FLAGS = {
 }
 
 _logger = logging.getLogger(__name__)
-_lock = threading.Lock()
-_state: dict[str, object] = {"loaded": False, "error": None, "override": None, "fake_registered": False}
+_state: dict[str, object] = {"fake_registered": False}
 
 
 def _capability() -> str:
@@ -66,59 +63,31 @@ def _fake_attend_into_q(q: torch.Tensor, *args: object) -> None:
     return None
 
 
-def _reason(error: Exception) -> str:
-    """The line that says why: a compiler's `error:` line, or a missing program's, else the exception's last line."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-    cause = next((line for line in lines if "error:" in line or "not found" in line), lines[-1])
-    return f"{type(error).__name__}: {cause[:300]}"
-
-
-def _disabled() -> bool:
-    return _state["override"] is False or os.environ.get(ENV_SWITCH, "1") == "0"
+_EXTENSION = LazyCppExtension(
+    _build,
+    ENV_SWITCH,
+    what="VCA's fused CPU kernel",
+    kernel="fused",
+    fallback="composite",
+    unavailable="using the composite path, slower on small grids. A C++ compiler and `pip install ninja` enable it;",
+)
+_reason = failure_reason
 
 
 @torch.compiler.assume_constant_result  # traced as a constant: no guard on the environment, no graph break
 def kernel_available() -> bool:
     """Whether the kernel is (or can now be) loaded; compiles it on the first call. Never raises."""
-    if _disabled():
-        return False
-    if _state["loaded"]:
-        return True
-    with _lock:
-        if not _state["loaded"] and _state["error"] is None:
-            try:
-                _build()
-                _state["loaded"] = True
-            except Exception as error:  # no compiler, no ninja, no BLAS symbol: keep the composite path
-                _state["error"] = _reason(error)
-                warnings.warn(
-                    f"VCA's fused CPU kernel could not be built ({_state['error']}); using the composite path, "
-                    f"slower on small grids. A C++ compiler and `pip install ninja` enable it; "
-                    f"{ENV_SWITCH}=0 skips it.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-    return bool(_state["loaded"])
+    return _EXTENSION.available()
 
 
 def kernel_status() -> str:
     """One line for reports: "fused", "composite (disabled)" or "composite (<why>)". Does not build."""
-    if _disabled():
-        return "composite (disabled)"
-    if _state["loaded"]:
-        return "fused"
-    return f"composite ({_state['error']})" if _state["error"] else "fused (not built yet)"
+    return _EXTENSION.status()
 
 
-@contextmanager
-def use_kernel(enabled: bool) -> Iterator[None]:
+def use_kernel(enabled: bool) -> AbstractContextManager[None]:
     """Force the kernel off (or back to the default) inside the block: for tests and A/B benchmarks."""
-    previous = _state["override"]
-    _state["override"] = None if enabled else False
-    try:
-        yield
-    finally:
-        _state["override"] = previous
+    return _EXTENSION.use(enabled)
 
 
 def _empty_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -10,21 +10,18 @@ numbers, no speed-up). Under `make test` (VCA_PATCH_REQUIRE_CPU_KERNEL=1) the te
 from __future__ import annotations
 
 import logging
-import os
-import threading
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
+
+from ..cpu_extension import LazyCppExtension
 
 ENV_SWITCH = "VCA_PATCH_DIDB_KERNEL"
 _SOURCE = Path(__file__).with_name("csrc") / "xnor_gemm_cpu.cpp"
 
 _logger = logging.getLogger(__name__)
-_lock = threading.Lock()
-_state: dict[str, object] = {"loaded": False, "error": None, "override": None, "fake_registered": False}
+_state: dict[str, object] = {"fake_registered": False}
 
 
 def _has_vpopcnt() -> bool:
@@ -58,58 +55,31 @@ def _fake_xnor_linear(x: torch.Tensor, signs: torch.Tensor, *args: object) -> to
     return x.new_empty(x.shape[0], signs.shape[0])
 
 
-def _reason(error: Exception) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-    cause = next((line for line in lines if "error:" in line or "not found" in line), lines[-1])
-    return f"{type(error).__name__}: {cause[:300]}"
-
-
-def _disabled() -> bool:
-    return _state["override"] is False or os.environ.get(ENV_SWITCH, "1") == "0"
+_EXTENSION = LazyCppExtension(
+    _build,
+    ENV_SWITCH,
+    what="the DIDB XNOR CPU kernel",
+    kernel="xnor",
+    fallback="float emulation",
+    unavailable="packed binary Linears use the float emulation (same numbers, slower). A C++ compiler and "
+    "`pip install ninja` enable it;",
+)
 
 
 @torch.compiler.assume_constant_result  # traced as a constant: no guard on the environment, no graph break
 def kernel_available() -> bool:
     """Whether the kernel is (or can now be) loaded; compiles it on the first call. Never raises."""
-    if _disabled():
-        return False
-    if _state["loaded"]:
-        return True
-    with _lock:
-        if not _state["loaded"] and _state["error"] is None:
-            try:
-                _build()
-                _state["loaded"] = True
-            except Exception as error:  # no compiler or ninja: keep the float emulation
-                _state["error"] = _reason(error)
-                warnings.warn(
-                    f"the DIDB XNOR CPU kernel could not be built ({_state['error']}); packed binary Linears use "
-                    f"the float emulation (same numbers, slower). A C++ compiler and `pip install ninja` enable it; "
-                    f"{ENV_SWITCH}=0 skips it.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-    return bool(_state["loaded"])
+    return _EXTENSION.available()
 
 
 def kernel_status() -> str:
     """One line for reports: "xnor", "float emulation (disabled)" or "float emulation (<why>)". Does not build."""
-    if _disabled():
-        return "float emulation (disabled)"
-    if _state["loaded"]:
-        return "xnor"
-    return f"float emulation ({_state['error']})" if _state["error"] else "xnor (not built yet)"
+    return _EXTENSION.status()
 
 
-@contextmanager
-def use_kernel(enabled: bool) -> Iterator[None]:
+def use_kernel(enabled: bool) -> AbstractContextManager[None]:
     """Force the kernel off (or back to the default) inside the block: for tests and A/B benchmarks."""
-    previous = _state["override"]
-    _state["override"] = None if enabled else False
-    try:
-        yield
-    finally:
-        _state["override"] = previous
+    return _EXTENSION.use(enabled)
 
 
 def xnor_linear(
