@@ -108,7 +108,8 @@ class FidelityReport:
     """How close a patched model is to its original on real batches.
 
     layer_error: per patched layer, relative error of the attention output when the layer gets the
-    original model's input (teacher-forced); layer_error_free: the same, each model on its own
+    original model's input (teacher-forced: called alone, or inside one forward of the patched model where its
+    layers run only inside their blocks, as PVT's and Swin's do); layer_error_free: the same, each model on its own
     activations (errors accumulate with depth). cls_cosine / patch_cosine / pooled_cosine: final
     features (forward_features) of the prefix token 0, of each patch token (mean), and of the
     mean-pooled patch tokens. top1_agreement and top1 (original, patched) when there is a head
@@ -174,12 +175,16 @@ class _Accumulator:
     def __init__(self) -> None:
         self.sq_err = 0.0
         self.sq_ref = 0.0
+        self.count = 0
 
     def add(self, candidate: torch.Tensor, reference: torch.Tensor) -> None:
         self.sq_err += float((candidate.double() - reference.double()).pow(2).sum())
         self.sq_ref += float(reference.double().pow(2).sum())
+        self.count += 1
 
     def value(self) -> float:
+        if not self.count:  # e.g. a token-merging layer, whose output has fewer tokens than the original's
+            return math.nan
         return math.sqrt(self.sq_err / max(self.sq_ref, 1e-30))
 
 
@@ -192,6 +197,7 @@ def fidelity(original: nn.Module | None, patched: nn.Module, batches: Iterable) 
     dtype (images are moved and cast); every error and cosine is accumulated in float64.
     """
     from .recovery.capture import batch_images, original_attention, patched_modules
+    from .train.forced import layer_outputs
 
     paths = list(patched_modules(patched))
     state_tracker = patched.vca_patch_state.tracker
@@ -246,10 +252,12 @@ def fidelity(original: nn.Module | None, patched: nn.Module, batches: Iterable) 
                 for h in handles:
                     h.remove()
             layout = layouts[-1]
+            forced = layer_outputs(patched, {p: (to_model(captured[p][0], patched), None) for p in paths}, x, layout)
             for p in paths:
-                ref_in, ref_out = to_model(captured[p][0], patched), captured[p][1].to(device)
-                errors[p].add(attention_output(patched.get_submodule(p)(ref_in, layout=layout)), ref_out)
-                errors_free[p].add(free[p], ref_out)
+                ref_out = captured[p][1].to(device)
+                errors[p].add(forced[p], ref_out)
+                if free[p].shape == ref_out.shape:  # token merging: fewer tokens, no per-token comparison
+                    errors_free[p].add(free[p], ref_out)
             P = layout.num_prefix_tokens
             if ref_feat.ndim == 3:
                 if P > 0:
@@ -290,3 +298,32 @@ def fidelity(original: nn.Module | None, patched: nn.Module, batches: Iterable) 
         top1_patched=correct_new / labelled if labelled else None,
         num_images=num_images,
     )
+
+
+def diffusion_fidelity(
+    original: nn.Module | None,
+    patched: nn.Module,
+    *,
+    latents: str | Path | None = None,
+    count: int = 64,
+    seed: int = 0,
+    latent_size: int | None = None,
+    text_tokens: int = 16,
+) -> dict[str, Any]:
+    """Per-layer attention error and noise/velocity-prediction error of a converted diffusers transformer.
+
+    Against `original` (None: the patched model's unpatched copy), on `count` latents from the folder `latents`
+    (.pt/.safetensors) or generated ones, with random timesteps and conditions from `seed`; see
+    `vca_patch.train.diffusion.evaluate_diffusion` for the keys."""
+    from .train.diffusion import evaluate_diffusion
+    from .train.diffusion_data import GeneratedLatents, LatentFolder
+    from .train.diffusion_spec import DiffusionSpec
+    from .train.finetune import teacher_from
+
+    spec = DiffusionSpec(
+        latents=None if latents is None else str(latents), eval_latents=count, latent_size=latent_size,
+        text_tokens=text_tokens, seed=seed,
+    )  # fmt: skip
+    data = GeneratedLatents(patched, spec, "eval", count) if latents is None else LatentFolder(patched, spec, latents)
+    reference = original if original is not None else teacher_from(patched)
+    return evaluate_diffusion(patched, reference, data, count, spec)

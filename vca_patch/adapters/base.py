@@ -134,6 +134,10 @@ class ModelAdapter(ABC):
     """Knows one model family: where its attention is, its token layout, how to rebuild it."""
 
     name: str
+    # Whether a patched layer can be called alone on its input tokens (with `layout=`), as fidelity and attention
+    # transfer do. False where it takes its grid/windows/shift from hooks on its block (PVT stages, Swin windows):
+    # those are measured by teacher forcing inside one forward of the model (`train.forced`).
+    layers_run_alone: bool = True
 
     @classmethod
     @abstractmethod

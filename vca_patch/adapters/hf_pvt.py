@@ -5,7 +5,8 @@ spatial-reduction attention converted with its reduction kept (exact carry), as 
 `layer_norm`, and is called `attention(hidden_states=, height=, width=, output_attentions=)`, returning a tuple.
 The replacement (`SpatialReductionVCA`) keeps those names (state-dict keys unchanged) and takes the grid from the
 call's height and width; λ_init follows the global block index over all stages. `linear_attention` models are
-skipped (already linear), and so is PVT v1 (`PvtModel`), with its reason.
+skipped (already linear). `VCAConfig.pvt_mode="paper"` drops the reduction (approximate). PVT v1 (`PvtModel`) has
+an adapter of its own (`hf_pvt_v1`).
 """
 
 from __future__ import annotations
@@ -21,18 +22,13 @@ from ..attention.fused_qkv import SplitQKV
 from ..attention.staged_carry import CarriedReductionAttention
 from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
 from .hf_vision import HFVisionAdapter
-from .timm_pvt import LINEAR_ATTENTION_REASON, reference_reduction_attention
+from .timm_pvt import LINEAR_ATTENTION_REASON, note_dropped_reduction, reference_reduction_attention
 from .verify import TOLERANCE, float32_copy
 
 _V2_MODULE = "transformers.models.pvt_v2.modeling_pvt_v2"
-_V1_MODULE = "transformers.models.pvt.modeling_pvt"
 _SITE = re.compile(r"(?:^|\.)layers\.(\d+)\.blocks\.(\d+)\.attention$")
 _QKV_NAMES = ("query", "key", "value")
 _REDUCTION_NAMES = ("spatial_reduction", "layer_norm")
-PVT_V1_REASON = (
-    "transformers PvtModel (PVT v1) is not supported: its last stage has a CLS token and its output projection "
-    "lives outside the attention module (attention.output.dense); use PvtV2Model or timm's pvt_v2_*"
-)
 
 
 def _conv_out(size: tuple[int, int], conv: nn.Conv2d) -> tuple[int, int]:
@@ -74,13 +70,14 @@ class HFPvtAdapter(ModelAdapter):
     """Converts transformers PVTv2 spatial-reduction attention to `SpatialReductionVCA`; see the module docstring."""
 
     name = "hf-pvt"
+    layers_run_alone = False  # grid/windows come from block hooks
 
     def __init__(self) -> None:
         self._stages: dict[str, tuple[int, dict[str, Any]]] = {}  # site path -> (stage, report settings)
 
     @classmethod
     def applies_to(cls, model: nn.Module) -> bool:
-        return type(model).__module__ in (_V2_MODULE, _V1_MODULE)
+        return type(model).__module__ == _V2_MODULE
 
     @staticmethod
     def _encoder(model: nn.Module) -> nn.Module:
@@ -99,11 +96,6 @@ class HFPvtAdapter(ModelAdapter):
     def find_sites(self, model: nn.Module) -> tuple[list[AttentionSite], list[SkippedSite]]:
         sites: list[AttentionSite] = []
         skipped: list[SkippedSite] = []
-        if type(model).__module__ == _V1_MODULE:
-            for path, module in model.named_modules():
-                if type(module).__name__ == "PvtEfficientSelfAttention":
-                    skipped.append(SkippedSite(path, type(module).__name__, PVT_V1_REASON))
-            return sites, skipped
         grids = self.stage_grids(model)
         index = 0
         for path, attn in model.named_modules():
@@ -150,6 +142,7 @@ class HFPvtAdapter(ModelAdapter):
     def adapt_call(self, replacement: nn.Module, site: AttentionSite) -> None:
         replacement.register_forward_pre_hook(PvtCallShim(), with_kwargs=True)
         replacement.register_forward_hook(OneTuple())
+        note_dropped_reduction(replacement, site)
 
     @torch.no_grad()
     def verify(self, site: AttentionSite) -> AttentionSite:

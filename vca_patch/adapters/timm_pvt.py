@@ -1,4 +1,5 @@
-"""timm PVTv2 (`pvt_v2_*`): spatial-reduction attention converted with its reduction kept (exact carry).
+"""timm PVTv2 (`pvt_v2_*`): spatial-reduction attention converted with its reduction kept (exact carry), or
+dropped (`VCAConfig.pvt_mode="paper"`: global VCA over full-resolution keys, the paper's placement; approximate).
 
 Each stage has its own grid, and PVT hands every attention call its `feat_size`, so the layer takes the layout
 from the call. λ_init follows the global block index over all stages (0 … depth−1). The `*_li` models' attention
@@ -15,7 +16,7 @@ from torch import nn
 
 from ..attention import TokenLayout
 from ..attention.q_kv_view import QAndKV
-from ..attention.staged_carry import CarriedReductionAttention
+from ..attention.staged_carry import PAPER_MODE_NOTE, CarriedReductionAttention
 from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
 from .timm_base import create_timm_base, describe_timm_base
 from .verify import TOLERANCE, float32_copy
@@ -56,10 +57,19 @@ def reference_reduction_attention(carried: CarriedReductionAttention, x: torch.T
     return carried.proj((weights @ v).transpose(1, 2).reshape(B, N, M * d))
 
 
+def note_dropped_reduction(replacement: nn.Module, site: AttentionSite) -> None:
+    """Say in the site's notes (so the report calls it approximate, and strict refuses it) when the replacement
+    dropped the module's spatial reduction (`pvt_mode="paper"`)."""
+    dropped = getattr(replacement, "hierarchical_settings", {}).get("mode") == "reduction-dropped"
+    if dropped and PAPER_MODE_NOTE not in site.notes:
+        site.notes.append(PAPER_MODE_NOTE)
+
+
 class TimmPVTAdapter(ModelAdapter):
     """Converts timm PVTv2 spatial-reduction attention to `SpatialReductionVCA` (q, kv, sr, norm, proj carried)."""
 
     name = "timm-pvt"
+    layers_run_alone = False  # grid/windows come from block hooks
 
     def __init__(self) -> None:
         self._stages: dict[str, tuple[int, dict[str, Any]]] = {}  # site path -> (stage, report settings)
@@ -117,6 +127,7 @@ class TimmPVTAdapter(ModelAdapter):
 
     def adapt_call(self, replacement: nn.Module, site: AttentionSite) -> None:
         """PVT calls `attn(x, feat_size)`, which `SpatialReductionVCA` takes as it is."""
+        note_dropped_reduction(replacement, site)
 
     @torch.no_grad()
     def verify(self, site: AttentionSite) -> AttentionSite:

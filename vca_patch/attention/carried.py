@@ -142,7 +142,8 @@ class CarriedAttentionLayer(nn.Module):
 
     def carried_members(self) -> dict[str, Member]:
         """The carried q/k/v/proj modules and parameters, by their original names, as this layer holds them now."""
-        names = (*self._qkv_layout[1], self._proj_name)
+        outside = getattr(self.proj, "stays_outside", False)  # an identity: the original's projection is elsewhere
+        names = (*self._qkv_layout[1], *(() if outside else (self._proj_name,)))
         return {name: self._modules[name] if name in self._modules else self._parameters[name] for name in names}
 
     def restore_into(self, original: nn.Module) -> None:

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from ..adapters.call_shims import attention_output
 from ..fidelity import features_and_logits
 from ..recovery.capture import patched_modules
+from .forced import layer_outputs
 from .objective import per_image_error, recorded_layout, teacher_attention
 
 EVAL_BATCH = 128
@@ -55,10 +55,11 @@ def image_terms(student: nn.Module, teacher: nn.Module, x: torch.Tensor, y: torc
         pooled = patch
     has_head = torch.full((B,), float(t_logits is not None and s_logits is not None), dtype=acc, device=x.device)
     cols += [cls, patch, pooled, has_head]
+    forced = layer_outputs(student, captured, x, layout)  # alone, or one forced forward (PVT, Swin stages)
     for p in paths:
-        inp, target = captured[p]
-        out = attention_output(student.get_submodule(p)(inp, layout=layout))
-        cols += [t.to(acc) for t in per_image_error(out.to(acc), target)]
+        out, target = forced[p], captured[p][1]
+        # Per image: Swin's windows come batch-major ([B·windows, w², C]), as every other layout's rows.
+        cols += [t.to(acc) for t in per_image_error(out.to(acc).reshape(B, -1), target.reshape(B, -1))]
     return torch.stack(cols, dim=1)
 
 

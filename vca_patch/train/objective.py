@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from ..attention.layout import TokenLayout
 from ..fidelity import features_and_logits
 from ..recovery.capture import patched_modules
 from ..surgery import get_patch_state
+from .forced import layer_outputs
 from .recipe import StageSpec
 
 
@@ -70,20 +72,24 @@ def transfer_loss(
     x: torch.Tensor,
     across: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Mean over layers of Σ‖VCA(x_l) − MHSA(x_l)‖² / Σ‖MHSA(x_l)‖² over the batch, x_l the teacher's layer input.
+    """Mean over layers of Σ‖VCA(x_l) − MHSA(x_l)‖² / Σ‖MHSA(x_l)‖² over the batch, x_l the teacher's layer input
+    (each layer called alone, or, where layers run only inside their blocks, inside one student forward).
 
     `across` averages the (constant) denominators over processes, so each process's share of the loss
     adds up to the loss of the whole global batch.
     """
     paths = list(patched_modules(student))
     captured, _, _ = teacher_attention(teacher, paths, x)
-    with recorded_layout(student) as seen:
-        get_patch_state(student).adapter.embedding_module(student)(x)  # the token layout (grid) of this input
-    layout = seen[-1]
+
+    def layout() -> TokenLayout:  # the token layout (grid) of this input, for layers called alone
+        with recorded_layout(student) as seen:
+            get_patch_state(student).adapter.embedding_module(student)(x)
+        return seen[-1]
+
+    outputs = layer_outputs(student, captured, x, layout)  # PVT/Swin: one teacher-forced forward, with gradients
     errors, refs = [], []
     for p in paths:
-        inp, target = captured[p]
-        err, ref = per_image_error(attention_output(student.get_submodule(p)(inp, layout=layout)), target)
+        err, ref = per_image_error(outputs[p], captured[p][1])
         errors.append(err.sum())
         refs.append(ref.sum())
     ref_sums = torch.stack(refs)
@@ -130,14 +136,39 @@ class RecoveryObjective(nn.Module):
         teacher: nn.Module,
         stage: StageSpec,
         across: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        diffusion: Any = None,
     ) -> None:
         super().__init__()
         self.student = student
         self.stage = stage
         self.across = across  # mean over processes (None: one process)
+        self.diffusion = diffusion  # the recipe's DiffusionSpec (distill_diffusion stages)
         object.__setattr__(self, "teacher", teacher)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        if self.stage.kind == "attention_transfer":
-            return transfer_loss(self.student, self.teacher, x, self.across)
-        return distill_loss(self.student, self.teacher, x, y, self.stage)
+    def forward(self, x: torch.Tensor, y: Any = None) -> torch.Tensor:
+        try:
+            loss = STAGE_LOSSES[self.stage.kind]
+        except KeyError:
+            raise ValueError(f"no loss for stage kind {self.stage.kind!r}; known: {sorted(STAGE_LOSSES)}") from None
+        return loss(self, x, y)
+
+
+# Stage kind -> loss(objective, batch inputs, batch targets): a training stage's loss, looked up by the objective.
+StageLoss = Callable[[RecoveryObjective, torch.Tensor, Any], torch.Tensor]
+STAGE_LOSSES: dict[str, StageLoss] = {
+    "attention_transfer": lambda o, x, y: transfer_loss(o.student, o.teacher, x, o.across),
+    "distill": lambda o, x, y: distill_loss(o.student, o.teacher, x, y, o.stage),
+}
+
+
+def register_stage_loss(kind: str) -> Callable[[StageLoss], StageLoss]:
+    """Decorator: `fn(objective, x, y) -> loss` computes the loss of stages of `kind` (see `train.diffusion`)."""
+
+    def wrap(fn: StageLoss) -> StageLoss:
+        STAGE_LOSSES[kind] = fn
+        return fn
+
+    return wrap
+
+
+from . import diffusion as _diffusion  # noqa: E402, F401  (registers "distill_diffusion")

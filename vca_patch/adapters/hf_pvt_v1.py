@@ -1,0 +1,128 @@
+"""Hugging Face transformers PVT v1 (`PvtModel`, `PvtForImageClassification`): spatial-reduction attention
+converted as PVTv2's (`hf_pvt`), with the reduction kept (exact carry) or dropped (`pvt_mode="paper"`).
+
+The attention is `encoder.block.{stage}.{block}.attention.self` (`PvtEfficientSelfAttention`: `query`, `key`,
+`value`, `sequence_reduction` conv k = s = R, `layer_norm`), called `(hidden_states, height, width,
+output_attentions)`; its output projection `attention.output.dense` stays outside it, so the replacement
+(`SpatialReductionVCA`) carries no projection of its own (`OutsideProjection`) and the block applies `dense` to
+its output as before: proj(o + DWC(v)) is unchanged by where proj sits. The last stage prepends a CLS token: a
+prefix token there (transformers only runs that stage without a reduction). The grid comes from each call's
+height and width; λ_init follows the global block index over all stages.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ..attention.fused_qkv import SplitQKV
+from ..attention.staged_carry import CarriedReductionAttention
+from .base import AttentionSite, SkippedSite, attention_dropout_note
+from .hf_pvt import HFPvtAdapter, _conv_out
+from .timm_pvt import reference_reduction_attention
+from .verify import TOLERANCE, float32_copy
+
+_V1_MODULE = "transformers.models.pvt.modeling_pvt"
+_SITE = re.compile(r"(?:^|\.)encoder\.block\.(\d+)\.(\d+)\.attention\.self$")
+_QKV_NAMES = ("query", "key", "value")
+_REDUCTION_NAMES = ("sequence_reduction", "layer_norm")
+
+
+class OutsideProjection(nn.Module):
+    """The identity, standing for an output projection the original module's parent applies (PVT v1's
+    `attention.output.dense`): Linear-shaped (`in_features`, `out_features`), no parameters, no state-dict key."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.in_features = self.out_features = features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def extra_repr(self) -> str:
+        return f"features={self.in_features} (projected by the parent module)"
+
+
+class HFPvtV1Adapter(HFPvtAdapter):
+    """Converts transformers PVT v1 spatial-reduction attention to `SpatialReductionVCA`; see the module docstring."""
+
+    name = "hf-pvt-v1"
+
+    @classmethod
+    def applies_to(cls, model: nn.Module) -> bool:
+        return type(model).__module__ == _V1_MODULE
+
+    def stage_grids(self, model: nn.Module) -> list[tuple[int, int]]:
+        """Each stage's grid at the config's image size (conv arithmetic of the patch embeddings)."""
+        size = model.config.image_size
+        grid = (size, size) if isinstance(size, int) else tuple(size)
+        grids = []
+        for embedding in self._encoder(model).patch_embeddings:
+            grid = _conv_out(grid, embedding.projection)
+            grids.append(grid)
+        return grids
+
+    def find_sites(self, model: nn.Module) -> tuple[list[AttentionSite], list[SkippedSite]]:
+        sites: list[AttentionSite] = []
+        grids = self.stage_grids(model)
+        embeddings = self._encoder(model).patch_embeddings
+        index = 0
+        for path, attn in model.named_modules():
+            match = _SITE.search(path)
+            if match is None or type(attn).__name__ != "PvtEfficientSelfAttention":
+                continue
+            stage = int(match.group(1))
+            grid = grids[stage]
+            prefix = int(embeddings[stage].cls_token is not None)
+            text = f"{grid[0]}x{grid[1]}" + (" + CLS" if prefix else "")
+            sr = getattr(attn, "sequence_reduction", None)
+            if sr is not None:
+                keys = _conv_out(grid, sr)
+                text += f", keys {keys[0]}x{keys[1]} (sr {sr.stride[0]})"
+            self._stages[path] = (stage, {"stage": stage, "grid": text, "prefix": prefix})
+            notes = list(filter(None, [attention_dropout_note(attn)]))
+            sites.append(AttentionSite(path, attn, index, attn.hidden_size, attn.num_attention_heads, notes))
+            index += 1
+        return sites, []
+
+    def carry(self, site: AttentionSite) -> CarriedReductionAttention:
+        attn = site.module
+        stage, settings = self._stages[site.path]
+        sr = getattr(attn, "sequence_reduction", None)
+        return CarriedReductionAttention(
+            qkv=SplitQKV(attn, _QKV_NAMES), proj=OutsideProjection(attn.all_head_size),
+            num_heads=attn.num_attention_heads, head_dim=attn.attention_head_size, stage=stage,
+            settings={key: value for key, value in settings.items() if key != "prefix"}, sr=sr,
+            reduction_norm=attn.layer_norm if sr is not None else None, reduction_names=_REDUCTION_NAMES,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def verify(self, site: AttentionSite) -> AttentionSite:
+        """The module must equal spatial-reduction softmax attention built from its query/key/value and reduction
+        (on a non-square grid, so a transposed grid would show; the last stage's CLS token in front)."""
+        module = site.module
+        weight = next(module.parameters())
+        if weight.is_meta:
+            return site
+        carried = self.carry(site)
+        prefix = self._stages[site.path][1]["prefix"]
+        ratio = max(int(module.sequences_reduction_ratio), 2)
+        grid = (2 * ratio, 3 * ratio)
+        module, carried = float32_copy(module, carried)  # checked in float32
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(2, prefix + grid[0] * grid[1], site.dim, generator=generator).to(next(module.parameters()))
+        was_training = module.training
+        module.eval()
+        try:
+            expected = module(x, grid[0], grid[1])[0]
+        finally:
+            module.train(was_training)
+        if prefix and carried.sr is not None:
+            raise ValueError("a CLS token before a spatial reduction: transformers' PvtModel cannot run this stage")
+        error = float((reference_reduction_attention(carried, x, grid) - expected).norm() / expected.norm())
+        site.verified = error < TOLERANCE
+        if not site.verified:
+            site.notes.append(f"reference spatial-reduction attention differs by {error:.2g} (relative)")
+        return site
