@@ -3,15 +3,34 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
+from rich.markup import escape
 
-console = Console()
-if not console.is_terminal:  # piped or captured output: do not squeeze tables into 80 columns
-    console = Console(width=160)
+
+class StdoutConsole(Console):
+    """A console whose width is read at each print: COLUMNS if set, else the terminal's width; piped or captured
+    without COLUMNS, 160 columns (no terminal to fit, so tables are not squeezed into rich's default 80)."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        dims = super().size
+        columns = os.environ.get("COLUMNS", "")
+        if columns.isdigit():
+            return ConsoleDimensions(int(columns), dims.height)
+        return dims if self.is_terminal else ConsoleDimensions(160, dims.height)
+
+
+def stdout_console() -> Console:
+    """The console commands print to (see `StdoutConsole`)."""
+    return StdoutConsole()
+
+
+console = stdout_console()
 err_console = Console(stderr=True)
 
 if TYPE_CHECKING:
@@ -23,10 +42,13 @@ if TYPE_CHECKING:
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEVICE_HELP = "auto (cuda if available, else cpu), cpu, cuda or cuda:N"
 DTYPE_HELP = "Parameter dtype: float32, bfloat16 or float16"
+SWIN_MODE_HELP = "VCA on Swin/SwinV2: residual (window attention kept + zero-gated global VCA: exact) or global"
+PVT_MODE_HELP = "VCA on PVT: carry (spatial reduction kept: exact carry) or paper (reduction dropped: approximate)"
+STAGE_TOKENS_HELP = "VCA on PVT/Swin: contrast tokens per stage, e.g. 9,16,49,49 (default: the paper's 9/16/49/49)"
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)  # [hf] is text
     raise typer.Exit(code)
 
 
@@ -61,6 +83,22 @@ def parse_layers(spec: str | None) -> list[int] | None:
     if any(i < 0 for i in layers):
         raise typer.BadParameter("block indices are non-negative", param_hint="--layers")
     return sorted(layers)
+
+
+def parse_stage_tokens(spec: str | None) -> list[int] | None:
+    """'9,16,49,49' -> [9, 16, 49, 49] (contrast tokens per stage of a hierarchical model); None -> None.
+    A ConfigError names a malformed list (the callers print it as one line)."""
+    from ..config import ConfigError
+
+    if spec is None:
+        return None
+    try:
+        return [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise ConfigError(
+            f"--stage-contrast-tokens {spec!r} is not a comma-separated list of integers; use e.g. 9,16,49,49 "
+            "(one per stage)"
+        ) from None
 
 
 def resolve_device(spec: str) -> torch.device:

@@ -8,6 +8,8 @@ from typing import Annotated
 import torch
 import typer
 
+from ..adapters import diffusers_probe as dfp
+from ..adapters import diffusers_source as dfs
 from ..config import ConfigError, MANOConfig, TargetConfig, VCAConfig
 from ..didb import DIDBConfig
 from ..fidelity import compare_outputs, probe_batch
@@ -18,17 +20,21 @@ from ..surgery import PatchError, patch_model
 from .common import (
     DEVICE_HELP,
     DTYPE_HELP,
+    PVT_MODE_HELP,
+    STAGE_TOKENS_HELP,
+    SWIN_MODE_HELP,
     console,
     err_console,
     fail,
     load_base,
     parse_layers,
+    parse_stage_tokens,
     prepare_cpu_kernel,
     resolve_device,
     resolve_dtype,
     warn_contrast_grid,
 )
-from .fidelity import calibrate_for_convert, summary_table
+from .fidelity import calibrate_for_convert, check_calibration_splits, summary_table
 from .report_view import sites_table, totals_table
 
 CHECKPOINT_FILES = (CONFIG_NAME, CARD_NAME, *FORMS.values())  # what a checkpoint folder holds
@@ -40,7 +46,13 @@ def _local(path: Path | None) -> bool:
 
 
 def convert(
-    model: Annotated[str, typer.Argument(help="timm model name (e.g. deit_tiny_patch16_224) or hf-hub:ORG/NAME")],
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="timm model name (e.g. deit_tiny_patch16_224), hf-hub:ORG/NAME, or a transformers or diffusers model "
+            "(a local folder, e.g. a diffusers pipeline with model_index.json + transformer/, or ORG/NAME)"
+        ),
+    ],
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write the converted checkpoint to")],
     pretrained: Annotated[
         bool, typer.Option(help="Start from pretrained Hub weights (--no-pretrained: random)")
@@ -81,6 +93,12 @@ def convert(
         str | None, typer.Option(help="fashion_mnist, imagefolder or hf (default: from --calibration-data)")
     ] = None,
     calibration_images: Annotated[int, typer.Option(help="Images used to calibrate, and to measure")] = 256,
+    split: Annotated[
+        str, typer.Option(help="--calibration-data split to calibrate on (ImageFolder: its sub-folder; flat: 4 in 5)")
+    ] = "train",
+    eval_split: Annotated[
+        str, typer.Option(help="--calibration-data split to measure on (val/validation/test aliases; flat: 1 in 5)")
+    ] = "test",
     force: Annotated[
         bool, typer.Option("--force", help="Replace a non-empty output folder as a whole (its other files are listed)")
     ] = False,
@@ -91,6 +109,15 @@ def convert(
     dtype: Annotated[str, typer.Option(help=f"{DTYPE_HELP} (the model is cast, then patched)")] = "float32",
     spatial_variant: Annotated[str, typer.Option(help="LLaVA-SP: pooling or cropping")] = "pooling",
     spatial_tokens: Annotated[int, typer.Option(help="LLaVA-SP: spatial tokens added per image")] = 6,
+    plan: Annotated[
+        Path | None, typer.Option(help="Apply a plan file from `vca-patch plan` (token merging + VCA) instead of --to")
+    ] = None,
+    packed: Annotated[
+        bool, typer.Option("--packed", help="DIDB: save the binarised Linears as packed sign bits + scales (~1/32)")
+    ] = False,
+    swin_mode: Annotated[str, typer.Option(help=SWIN_MODE_HELP)] = "residual",
+    pvt_mode: Annotated[str, typer.Option(help=PVT_MODE_HELP)] = "carry",
+    stage_contrast_tokens: Annotated[str | None, typer.Option(help=STAGE_TOKENS_HELP)] = None,
 ) -> None:
     """Convert MODEL's softmax attention to VCA (or MANO with --to mano) and save it to --output.
 
@@ -100,6 +127,9 @@ def convert(
         _convert_llava_sp(model, output, pretrained, spatial_variant, spatial_tokens, seed, force)
         return
     torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
+    if calibration_data is not None and dfs.is_local_diffusers(model):  # checked again once a Hub model is loaded
+        fail("--calibration-data takes images for vision encoders; a diffusion transformer is measured on random "
+             "latents, timesteps and conditions (distil it to recover quality)", 2)  # fmt: skip
     try:
         check_output_dir(output, overwrite=force)
         data = calibration_data if _local(calibration_data) else None
@@ -107,21 +137,35 @@ def convert(
         options = {
             "vca": {"--contrast-tokens": (contrast_tokens, 49), "--softmax": (softmax, "joint"),
                     "--prefix-readout": (prefix_readout, "exact"), "--stage2-temperature": (stage2_temperature, True),
-                    "--calibration-data": (calibration_data, None)},
+                    "--calibration-data": (calibration_data, None), "--split": (split, "train"),
+                    "--eval-split": (eval_split, "test"), "--swin-mode": (swin_mode, "residual"),
+                    "--pvt-mode": (pvt_mode, "carry"), "--stage-contrast-tokens": (stage_contrast_tokens, None)},
             "mano": {"--window": (window, 7), "--rate": (rate, 2), "--levels": (levels, None), "--down": (down, "conv"),
                      "--up": (up, "conv"), "--prefix": (prefix, "global")},
-            "didb": {},  # no options of its own: those of the other targets are refused
+            "didb": {"--packed": (packed, False)},
         }  # fmt: skip
         for target, given in options.items():
             other = [name for name, (value, default) in given.items() if value != default]
             if to != target and to in options and other:
                 raise ConfigError(f"{', '.join(other)} {'is' if len(other) == 1 else 'are'} for --to {target}, "
                                   f"not --to {to}; drop {'it' if len(other) == 1 else 'them'}")  # fmt: skip
+        unused = [name for name, given in (("--split", split != "train"), ("--eval-split", eval_split != "test"))
+                  if given and calibration_data is None]  # fmt: skip
+        if unused:
+            raise ConfigError(f"{' and '.join(unused)} choose splits of --calibration-data; pass it too, or drop them")
+        for name, value in (("--probe-size", probe_size), ("--calibration-images", calibration_images)):
+            if value < 1:
+                raise ConfigError(f"{name} must be at least 1 image, got {value}")
         config: TargetConfig
-        if to == "vca":
+        if plan is not None:
+            from ..planner import load_plan
+
+            config = load_plan(plan)
+        elif to == "vca":
             config = VCAConfig(
                 contrast_tokens=contrast_tokens, softmax=softmax, init=init, layers=parse_layers(layers), seed=seed,
                 prefix_readout=prefix_readout, stage2_temperature=stage2_temperature, include=include, exclude=exclude,
+                swin_mode=swin_mode, pvt_mode=pvt_mode, stage_contrast_tokens=parse_stage_tokens(stage_contrast_tokens),
             )  # fmt: skip
         elif to == "mano":
             config = MANOConfig(
@@ -132,10 +176,12 @@ def convert(
             config = DIDBConfig(layers=parse_layers(layers), seed=seed, include=include, exclude=exclude)
         else:
             raise ConfigError(f"--to must be 'vca', 'mano', 'didb' or 'llava-sp', got {to!r}")
-    except (OutputExistsError, UnsafeOutputError, ConfigError) as exc:
+    except (OutputExistsError, UnsafeOutputError, ConfigError) as exc:  # a bad --plan file: PlanError, a ConfigError
         fail(str(exc), 2)
     if weights is not None and not weights.is_file():
         fail(f"weights file {weights} does not exist", 2)
+    if _local(calibration_data):
+        check_calibration_splits(calibration_data, calibration_kind, split, eval_split)  # before any work
     removed = foreign_entries(output, CHECKPOINT_FILES)
     if removed:  # --force replaces the folder as a whole: say so before anything is done
         shown = ", ".join(removed[:6]) + (f" and {len(removed) - 6} more" if len(removed) > 6 else "")
@@ -152,27 +198,36 @@ def convert(
             torch.manual_seed(seed)
             net = load_base(model, pretrained=pretrained, weights=weights, img_size=img_size).eval()
         net.to(device=torch_device, dtype=torch_dtype)
-    probe = probe_batch(net, probe_size, seed)  # on the model's device, in its dtype
+    diffusion = dfp.is_diffusers_model(net)  # a diffusion transformer: a random denoising step is the probe
+    if diffusion and calibration_data is not None:
+        fail(f"--calibration-data takes images for vision encoders, not {type(net).__name__}", 2)
+    probe = dfp.probe_inputs(net, probe_size, seed) if diffusion else probe_batch(net, probe_size, seed)
+    run = dfp.predict if diffusion else (lambda module, x: module(x))
     if config.target == "vca" and torch_device.type == "cpu":
         prepare_cpu_kernel()
     with console.status("Patching and probing..."), torch.no_grad():
-        reference = net(probe)
+        reference = run(net, probe)
         try:
             report = patch_model(net, config, strict=strict)
-        except PatchError as exc:
+        except (PatchError, ConfigError) as exc:  # ConfigError: e.g. a --plan made for another model
             fail(str(exc))
-        metrics = compare_outputs(reference, net(probe))
+        metrics = compare_outputs(reference, run(net, probe))
     warn_contrast_grid(report, model)
-    with console.status("Calibrating and measuring fidelity..."):
-        fidelity_summary, measured_on = calibrate_for_convert(
-            net, calibration_data, calibration_kind, calibration_images, probe
-        )
+    if diffusion:
+        fidelity_summary = dfp.fidelity_summary(dfp.attention_errors(net, probe), metrics)
+        measured_on = f"{probe_size} random denoising inputs"
+    else:
+        with console.status("Calibrating and measuring fidelity..."):
+            fidelity_summary, measured_on = calibrate_for_convert(
+                net, calibration_data, calibration_kind, calibration_images, probe, split=split, eval_split=eval_split
+            )
     with console.status(f"Saving to {output}..."):
         save_pretrained(
             net,
             output,
             overwrite=force,
             metadata={"base_weights": base_weights, "model_name": model, "probe": metrics, "dtype": dtype},
+            packed=packed,
         )
     console.print(sites_table(report))
     console.print(totals_table(report, probe=metrics))

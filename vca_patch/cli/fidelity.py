@@ -74,6 +74,9 @@ def fidelity(
             reference = teacher_from(from_pretrained(original, device=torch_device).to(torch_dtype))
     except CheckpointError as exc:
         fail(str(exc), 2)
+    if type(model).__module__.startswith("diffusers."):  # latents, timesteps and conditions instead of images
+        diffusion_fidelity(model, reference, data, limit, json_out)
+        return
     spec = data_spec(data_kind, data, split, limit)
     size = model_input_size(model)
     try:
@@ -82,25 +85,14 @@ def fidelity(
             split,
             training=False,
             img_size=size[1],
-            model_cfg={**(model.pretrained_cfg or {}), "input_size": size},
+            model_cfg={**(getattr(model, "pretrained_cfg", None) or {}), "input_size": size},
         )
     except DatasetError as exc:
         fail(str(exc), 2)
     with console.status(f"Measuring on {min(limit, len(dataset))} images..."), torch.no_grad():
         report = measure(reference, model, DataLoader(dataset, batch_size=batch_size))
-    table = Table(title="Per-layer relative error of the attention output", title_justify="left")
-    for column in ("layer", "teacher-forced", "free-running"):
-        table.add_column(column, justify="right" if column != "layer" else "left")
-    for name, e, f in zip(report.layers, report.layer_error, report.layer_error_free, strict=True):
-        table.add_row(name, f"{e:.4f}", f"{f:.4f}")
-    console.print(table)
-    summary = Table(title="Summary", title_justify="left", show_header=False)
-    summary.add_column(style="bold")
-    summary.add_column(justify="right")
-    for key, value in report.summary().items():
-        summary.add_row(key, f"{value:.4f}")
-    summary.add_row("images", str(report.num_images))
-    console.print(summary)
+    console.print(layers_table(report))
+    console.print(measured_table(report))
     if json_out is not None:
         json_out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     if plot is not None:
@@ -111,19 +103,68 @@ def fidelity(
         console.print(f"wrote {plot}")
 
 
+def layers_table(report) -> Table:
+    """Per-layer relative error of a FidelityReport's attention outputs, teacher-forced and free-running."""
+    table = Table(title="Per-layer relative error of the attention output", title_justify="left")
+    for column in ("layer", "teacher-forced", "free-running"):
+        table.add_column(column, justify="right" if column != "layer" else "left", overflow="fold")
+    for name, e, f in zip(report.layers, report.layer_error, report.layer_error_free, strict=True):
+        table.add_row(name, f"{e:.4f}", f"{f:.4f}")
+    return table
+
+
+def measured_table(report) -> Table:
+    """A FidelityReport's summary and the number of images it was measured on."""
+    table = summary_table(report.summary(), "Summary")
+    table.add_row("images", str(report.num_images))
+    return table
+
+
+def diffusion_fidelity(model, reference, data: str | None, limit: int, json_out: Path | None) -> None:
+    """`fidelity` of a diffusers transformer: per-layer attention error and noise/velocity-prediction error on
+    `limit` latents (the folder `data` of .pt/.safetensors, or random ones) at random timesteps and conditions."""
+    import torch
+
+    from ..data import DatasetError
+    from ..fidelity import diffusion_fidelity as measure
+
+    where = f"latents of {data}" if data else "random latents"
+    with console.status(f"Measuring on {limit} {where}..."), torch.no_grad():
+        try:
+            report = measure(reference, model, latents=data, count=limit)
+        except (DatasetError, ValueError) as exc:
+            fail(str(exc), 2)
+    table = Table(title="Per-layer relative error of the attention output", title_justify="left")
+    for column in ("layer", "teacher-forced", "free-running"):
+        table.add_column(column, justify="right" if column != "layer" else "left")
+    for name, e, f in zip(report["layers"], report["layer_error"], report["layer_error_free"], strict=True):
+        table.add_row(name, f"{e:.4f}", f"{f:.4f}")
+    console.print(table)
+    keys = ("prediction_error", "objective_student", "objective_teacher", "mean_layer_error", "max_layer_error")
+    console.print(summary_table({k: report[k] for k in keys}, f"Fidelity to the original ({report['prediction']})"))
+    console.print(f"{report['latents']} {where}, random timesteps and conditions", highlight=False)
+    if json_out is not None:
+        json_out.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def summary_table(summary: dict[str, float], title: str = "Fidelity to the original") -> Table:
     """A two-column table of a FidelityReport.summary()."""
     table = Table(title=title, title_justify="left", show_header=False)
-    table.add_column(style="bold")
-    table.add_column(justify="right")
+    table.add_column(style="bold", overflow="fold")
+    table.add_column(justify="right", overflow="fold")
     for key, value in summary.items():
         table.add_row(key.replace("_", " "), f"{value:.4f}")
     return table
 
 
-def calibrate_for_convert(net, data: Path | None, kind: str | None, images: int, probe) -> tuple[dict[str, float], str]:
-    """Calibrate a freshly patched VCA model on `images` training images of `data` (when given) and
-    measure it (on held-out images of the same data, else on `probe`). Returns (summary, where measured)."""
+def calibrate_for_convert(
+    net, data: Path | None, kind: str | None, images: int, probe, *, split: str = "train", eval_split: str = "test"
+) -> tuple[dict[str, float], str]:
+    """Calibrate a freshly patched VCA model on `images` images of split `split` of `data` (when given) and
+    measure it (on `eval_split` of the same data, else on `probe`). Returns (summary, where measured).
+
+    An ImageFolder's splits are its sub-folders (aliases such as val/validation resolved); a flat folder of class
+    sub-folders is split 4 : 1 instead. Two split names that resolve to the same folder are refused."""
     import torch
     from torch.utils.data import DataLoader, Subset
 
@@ -138,17 +179,44 @@ def calibrate_for_convert(net, data: Path | None, kind: str | None, images: int,
             return measure(None, net, [probe]).summary(), f"{len(probe)} random probe images"
     if not any(isinstance(m, VisualContrastAttention) for m in net.modules()):
         fail("--calibration-data applies to VCA conversions only", 2)
-    spec = data_spec(kind, str(data), "test", None, "--calibration-kind")
+    spec = data_spec(kind, str(data), eval_split, None, "--calibration-kind")
+    spec.train_split = split
+    check_calibration_splits(Path(data), spec.kind, split, eval_split)
     size = model_input_size(net)
     cfg = {**(getattr(net, "pretrained_cfg", None) or {}), "input_size": size}
     try:
         # training=True: the train split (spec.augment is "none": eval transforms), disjoint from the held-out one
         train = build_dataset(spec, "train", training=True, img_size=size[1], model_cfg=cfg)
-        held_out = build_dataset(spec, "test", training=False, img_size=size[1], model_cfg=cfg)
+        held_out = build_dataset(spec, eval_split, training=False, img_size=size[1], model_cfg=cfg)
     except DatasetError as exc:
         fail(str(exc), 2)
     calib = DataLoader(Subset(train, range(min(images, len(train)))), batch_size=64)
     probe_set = DataLoader(Subset(held_out, range(min(images, len(held_out)))), batch_size=64)
     with torch.no_grad():
         calibrate(net, calib)
-        return measure(None, net, probe_set).summary(), f"{min(images, len(held_out))} held-out images of {data}"
+        where = f"{min(images, len(held_out))} held-out images of {data}"
+        return measure(None, net, probe_set).summary(), where
+
+
+def check_calibration_splits(root: Path, kind: str | None, split: str, eval_split: str) -> None:
+    """Exit with one line when an ImageFolder lacks either split, or both name one sub-folder (calibration would be
+    measured on its own images). Other data kinds pass (their loaders check their splits)."""
+    from ..data import DatasetError, infer_kind
+    from ..data.imagefolder import split_folder
+
+    try:
+        if (kind or infer_kind(root)) != "imagefolder":
+            return
+    except DatasetError as exc:
+        fail(str(exc), 2)
+
+    try:
+        train, held_out = split_folder(root, split), split_folder(root, eval_split)
+    except DatasetError as exc:
+        fail(str(exc), 2)
+    if train is not None and train == held_out:
+        fail(
+            f"--split {split} and --eval-split {eval_split} are both {train}: calibration would be measured on its "
+            "own images; name another held-out split",
+            2,
+        )
