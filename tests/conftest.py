@@ -1,6 +1,9 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# CLI output is checked for whole phrases: one wide console width for every test, whatever the worker's stdout is
+# (tests of the 80-column layout and of the piped default set or clear COLUMNS themselves).
+os.environ.setdefault("COLUMNS", "200")
 
 import pytest
 import torch

@@ -84,7 +84,7 @@ def test_convert_takes_the_pvt_mode_and_per_stage_contrast_tokens(tmp_path):
 
 def test_inspect_takes_the_swin_mode(tmp_path):
     result = runner.invoke(app, ["inspect", "swin_tiny_patch4_window7_224", "--swin-mode", "global",
-                                 "--stage-contrast-tokens", "4,9,16,16"])  # fmt: skip
+                                 "--stage-contrast-tokens", "4,9,16,16"], env={"COLUMNS": "200"})  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "swin_mode='global'" in result.output and "contrast_tokens=16" in result.output
 
