@@ -137,12 +137,29 @@ def _eval_results(extra: dict[str, Any]) -> list[EvalResult]:
     return results
 
 
+# The Hub task of a base architecture that is no image classifier (None: no Hub task fits, e.g. class-conditional DiT).
+_TASKS = {
+    "DiTTransformer2DModel": None,
+    "PixArtTransformer2DModel": "text-to-image",
+    "SD3Transformer2DModel": "text-to-image",
+    "FluxTransformer2DModel": "text-to-image",
+}
+
+
+def _task(base: dict[str, Any]) -> str | None:
+    """The card's pipeline tag: a diffusion transformer's generation task, else image classification."""
+    return _TASKS.get(base["architecture"], TASK) if base["library"] == "diffusers" else TASK
+
+
 def _front_matter(meta: dict[str, Any], repo_id: str | None) -> str:
     base, extra = meta["base"], meta.get("metadata", {})
     target = meta["config"].get("target", "vca")
     method = _TAGS.get(target, [target])
-    tags = ["vca-patch", *method, TASK, base["library"]]
-    data: dict[str, Any] = {"library_name": "vca-patch", "tags": tags, "pipeline_tag": TASK}
+    task = _task(base)
+    tags = ["vca-patch", *method, *([task] if task else []), base["library"]]
+    data: dict[str, Any] = {"library_name": "vca-patch", "tags": tags}
+    if task:
+        data["pipeline_tag"] = task
     if base.get("license"):
         data["license"] = base["license"]
     base_model = _base_model(meta)
