@@ -25,7 +25,7 @@ from torch import nn
 
 import vca_patch
 from vca_patch.merging import MergeConfig
-from vca_patch.planner import candidates, choose, model_info, pareto, plan_config
+from vca_patch.planner import candidates, choose_measured, model_info, pareto, plan_config
 from vca_patch.planner.costs import measure_latency_table
 from vca_patch.planner.model_info import PlanError
 from vca_patch.planner.planner import apply_plan
@@ -75,7 +75,7 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
     chosen = {}
     for budget in settings["budgets"]:
         try:
-            cand = choose(cands, budget, "both")
+            cand, _ = choose_measured(model, info, cands, budget, "both", calib, log=log)
         except PlanError as error:
             log(f"  budget {budget}: {error}")
             continue

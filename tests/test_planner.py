@@ -16,10 +16,12 @@ from vca_patch.cli.app import app
 from vca_patch.config import ConfigError
 from vca_patch.merging import MergeConfig
 from vca_patch.planner import (
+    Candidate,
     ModelInfo,
     PlanError,
     candidates,
     choose,
+    choose_measured,
     load_plan,
     model_info,
     pareto,
@@ -268,3 +270,36 @@ def test_benchmark_quick_mode(tmp_path):
         assert row["latency_ratio"] > 0 and -1 <= row["cls_cosine"] <= 1
     assert (tmp_path / "planner_quick.png").stat().st_size > 1000
     assert "| conversion |" in (tmp_path / "planner_quick.md").read_text()
+
+
+def test_the_choice_is_the_best_measured_finalist_never_worse_than_merging_alone(monkeypatch):
+    """The additive prediction only ranks: the best predicted plans and the best merging-only one are measured,
+    and the best measured within the budget wins (here the predicted favourite measures worst)."""
+    from vca_patch.planner import planner as planner_module
+
+    model = _tiny()
+    info = model_info(model)
+    schedule = [0, 2, 2, 2]
+    cands = [
+        Candidate([0, 0, 0, 0], {0: 4, 1: 4}, latency=0.6, cls=0.99, patch=0.99),  # favourite by prediction
+        Candidate([0, 0, 0, 0], {0: 4}, latency=0.7, cls=0.98, patch=0.98),
+        Candidate(schedule, {}, latency=0.65, cls=0.95, patch=0.95),  # merging only, predicted worst
+        Candidate([0, 0, 0, 0], {}, latency=1.0, cls=1.0, patch=1.0),  # over the budget
+    ]
+    measured = {"VCA 0:n=4, 1:n=4": 0.90, "VCA 0:n=4": 0.93, "merge r=2 from block 1": 0.97}
+    calls = []
+
+    def fake_fidelity(model, config, images, reference, calibrate):
+        name = Candidate(config.schedule, config.vca_layers or {}).describe()
+        calls.append(name)
+        return {"cls_cosine": measured[name], "patch_token_cosine": measured[name]}
+
+    monkeypatch.setattr(planner_module, "plan_fidelity", fake_fidelity)
+    images = torch.randn(2, 3, RES, RES)
+    chosen, scores = choose_measured(model, info, cands, 0.8, "both", images, top=2)
+    assert sorted(calls) == sorted(measured)  # the two best predicted + the best merging-only plan; nothing over budget
+    assert chosen is cands[2] and scores["cls_cosine"] == 0.97
+    chosen, _ = choose_measured(model, info, cands, 0.8, "both", images, top=1)
+    assert chosen is cands[2]  # the merging-only plan is always a finalist
+    with pytest.raises(PlanError, match=r"budget 0\.50x"):
+        choose_measured(model, info, cands, 0.5, "both", images)

@@ -3,8 +3,9 @@
 Predicted fidelity is additive in the measured losses (1 − cosine) of the parts, each measured alone; predicted
 latency comes from the measured latency table. For each merge schedule (none, or r per block from block j on),
 VCA(n) is added greedily to blocks before j, best latency saved per predicted loss first (switching a block to
-a smaller n counts as a move too); every step is a candidate. The chosen plan is the candidate with the best
-predicted objective within the budget; the Pareto front is over (predicted latency ratio, predicted objective).
+a smaller n counts as a move too); every step is a candidate. `choose` takes the best predicted objective within
+the budget (`planner.choose_measured` then measures the best few and keeps the best measured); the Pareto front is
+over (predicted latency ratio, predicted objective).
 """
 
 from __future__ import annotations
