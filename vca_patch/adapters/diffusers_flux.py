@@ -23,7 +23,7 @@ from ..attention.layout import open_scope
 from .base import LayoutTracker
 from .diffusers_joint import _relative, reference_joint_attention
 from .diffusers_processor import CarriedLayerProcessor
-from .verify import float32_copy
+from .verify import eval_mode, float32_copy
 
 FLUX_MODELS = ("FluxTransformer2DModel",)
 
@@ -141,12 +141,8 @@ def flux_verification_error(attn: nn.Module, carried: CarriedJointAttention) -> 
     image = torch.randn(2, 17, carried.dim, generator=generator).to(weight)
     text = torch.randn(2, 5, carried.add_q_proj.in_features, generator=generator).to(weight)
     cos, sin = (t.to(weight) for t in random_rotary(22, carried.head_dim, generator))
-    was_training = attn.training
-    attn.eval()
-    try:
+    with eval_mode(attn):
         expected: Any = attn(hidden_states=image, encoder_hidden_states=text, image_rotary_emb=(cos, sin))
-    finally:
-        attn.train(was_training)
     if not (isinstance(expected, tuple) and len(expected) == 2):
         raise TypeError("the Flux attention did not return (image output, text output)")
     got = reference_joint_attention(carried, image, text, image_first=False, rotary=(cos, sin))
@@ -165,12 +161,8 @@ def single_verification_error(attn: nn.Module, carried: CarriedSingleStreamAtten
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, 22, carried.dim, generator=generator).to(weight)
     cos, sin = (t.to(weight) for t in random_rotary(22, carried.head_dim, generator))
-    was_training = attn.training
-    attn.eval()
-    try:
+    with eval_mode(attn):
         expected = attn(hidden_states=x, image_rotary_emb=(cos, sin))
-    finally:
-        attn.train(was_training)
     if not isinstance(expected, torch.Tensor):
         raise TypeError("the Flux single-stream attention did not return one tensor")
     return _relative(reference_single_attention(carried, x, (cos, sin)), expected)

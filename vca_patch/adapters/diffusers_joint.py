@@ -13,7 +13,7 @@ from torch import nn
 
 from ..attention.fused_qkv import SplitQKV
 from ..attention.joint_vca import CarriedJointAttention
-from .verify import float32_copy
+from .verify import eval_mode, float32_copy
 
 _QKV = ("to_q", "to_k", "to_v")
 _TEXT_QKV = ("add_q_proj", "add_k_proj", "add_v_proj")
@@ -108,12 +108,8 @@ def joint_verification_error(attn: nn.Module, carried: CarriedJointAttention) ->
     generator = torch.Generator().manual_seed(0)
     image = torch.randn(2, 17, carried.dim, generator=generator).to(weight)
     text = torch.randn(2, 5, carried.add_q_proj.in_features, generator=generator).to(weight)
-    was_training = attn.training
-    attn.eval()
-    try:
+    with eval_mode(attn):
         expected = attn(hidden_states=image, encoder_hidden_states=text)
-    finally:
-        attn.train(was_training)
     if not (isinstance(expected, tuple) and len(expected) == 2):
         raise TypeError("the joint attention did not return (image output, text output)")
     got = reference_joint_attention(carried, image, text, image_first=True)

@@ -23,7 +23,7 @@ from ..attention.staged_carry import CarriedReductionAttention
 from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
 from .hf_vision import HFVisionAdapter
 from .timm_pvt import LINEAR_ATTENTION_REASON, note_dropped_reduction, reference_reduction_attention
-from .verify import TOLERANCE, float32_copy
+from .verify import eval_mode, float32_copy, record_verdict
 
 _V2_MODULE = "transformers.models.pvt_v2.modeling_pvt_v2"
 _SITE = re.compile(r"(?:^|\.)layers\.(\d+)\.blocks\.(\d+)\.attention$")
@@ -158,17 +158,10 @@ class HFPvtAdapter(ModelAdapter):
         module, carried = float32_copy(module, carried)  # checked in float32
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(2, grid[0] * grid[1], site.dim, generator=generator).to(next(module.parameters()))
-        was_training = module.training
-        module.eval()
-        try:
+        with eval_mode(module):
             expected = module(x, grid[0], grid[1])[0]
-        finally:
-            module.train(was_training)
         error = float((reference_reduction_attention(carried, x, grid) - expected).norm() / expected.norm())
-        site.verified = error < TOLERANCE
-        if not site.verified:
-            site.notes.append(f"reference spatial-reduction attention differs by {error:.2g} (relative)")
-        return site
+        return record_verdict(site, error, "spatial-reduction attention")
 
     def describe_base(self, model: nn.Module) -> dict[str, Any]:
         return HFVisionAdapter.describe_base(self, model)

@@ -22,7 +22,7 @@ from ..attention.staged_carry import CarriedReductionAttention
 from .base import AttentionSite, SkippedSite, attention_dropout_note
 from .hf_pvt import HFPvtAdapter, _conv_out
 from .timm_pvt import reference_reduction_attention
-from .verify import TOLERANCE, float32_copy
+from .verify import eval_mode, float32_copy, record_verdict
 
 _V1_MODULE = "transformers.models.pvt.modeling_pvt"
 _SITE = re.compile(r"(?:^|\.)encoder\.block\.(\d+)\.(\d+)\.attention\.self$")
@@ -113,16 +113,9 @@ class HFPvtV1Adapter(HFPvtAdapter):
         module, carried = float32_copy(module, carried)  # checked in float32
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(2, prefix + grid[0] * grid[1], site.dim, generator=generator).to(next(module.parameters()))
-        was_training = module.training
-        module.eval()
-        try:
+        with eval_mode(module):
             expected = module(x, grid[0], grid[1])[0]
-        finally:
-            module.train(was_training)
         if prefix and carried.sr is not None:
             raise ValueError("a CLS token before a spatial reduction: transformers' PvtModel cannot run this stage")
         error = float((reference_reduction_attention(carried, x, grid) - expected).norm() / expected.norm())
-        site.verified = error < TOLERANCE
-        if not site.verified:
-            site.notes.append(f"reference spatial-reduction attention differs by {error:.2g} (relative)")
-        return site
+        return record_verdict(site, error, "spatial-reduction attention")

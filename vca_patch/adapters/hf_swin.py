@@ -38,7 +38,7 @@ from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_no
 from .call_shims import TupleOutput
 from .hf_vision import HFVisionAdapter
 from .timm_swin import COSINE_GLOBAL_MODE_NOTE, GLOBAL_MODE_NOTE, LAST_STAGE_REASON, reference_window_attention
-from .verify import TOLERANCE, float32_copy
+from .verify import eval_mode, float32_copy, record_verdict
 
 _SWIN_MODULE = "transformers.models.swin.modeling_swin"
 _SWINV2_MODULE = "transformers.models.swinv2.modeling_swinv2"
@@ -277,20 +277,13 @@ class HFSwinAdapter(ModelAdapter):
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(2 * 3, window, site.dim, generator=generator).to(next(module.parameters()))
         mask = torch.where(torch.rand(3, window, window, generator=generator) < 0.3, -100.0, 0.0).to(x)
-        was_training = module.training
-        module.eval()
-        try:
+        with eval_mode(module):
             errors = []
             for m in (None, mask):
                 expected = module(x, m)[0]
                 errors.append(float((reference_window_attention(carried, x, m) - expected).norm() / expected.norm()))
-        finally:
-            module.train(was_training)
         error = max(errors)
-        site.verified = error < TOLERANCE
-        if not site.verified:
-            site.notes.append(f"reference window attention differs by {error:.2g} (relative)")
-        return site
+        return record_verdict(site, error, "window attention")
 
     def describe_base(self, model: nn.Module) -> dict[str, Any]:
         return HFVisionAdapter.describe_base(self, model)

@@ -22,7 +22,7 @@ from ..attention.window_terms import PassThroughProjection
 from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
 from .call_shims import TokensOnly, TupleOutput
 from .timm_vit import reference_biased_attention
-from .verify import TOLERANCE, float32_copy, reference_softmax_attention
+from .verify import TOLERANCE, eval_mode, float32_copy, reference_softmax_attention
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
 _OUTPUT_NAMES = ("o_proj", "out_proj")
@@ -255,12 +255,8 @@ class HFVisionAdapter(ModelAdapter):
         generator = torch.Generator().manual_seed(1)
         x = torch.randn(2, 17, site.dim, generator=generator).to(weight)
         bias = torch.randn(1, site.num_heads, 17, 17, generator=generator).to(weight)
-        was_training = module.training
-        module.eval()
-        try:
+        with eval_mode(module):
             expected = module(x, attention_mask=bias)[0]
-        finally:
-            module.train(was_training)
         return float((reference_biased_attention(carried, x, bias) - expected).norm() / expected.norm())
 
     @torch.no_grad()
@@ -277,10 +273,8 @@ class HFVisionAdapter(ModelAdapter):
         x = torch.randn(2, tokens, site.dim, generator=generator).to(weight)
         shared = torch.randn(1, site.num_heads, tokens, tokens, generator=generator).to(weight)
         own = module.relative_position_bias(grid, False, dim_size=tokens) if module.has_relative_position_bias else 0
-        was_training = module.training
-        module.eval()
         errors = []
-        try:
+        with eval_mode(module):
             for extra in (None, shared):
                 expected = module(x, False, extra, False, (grid[0] * patch, grid[1] * patch))[0]
                 bias = own + (0 if extra is None else extra)
@@ -290,8 +284,6 @@ class HFVisionAdapter(ModelAdapter):
                     else reference_softmax_attention(carried, x)
                 )
                 errors.append(float((reference - expected).norm() / expected.norm()))
-        finally:
-            module.train(was_training)
         return max(errors)
 
     def adapt_call(self, replacement: nn.Module, site: AttentionSite) -> None:

@@ -19,7 +19,7 @@ from ..attention.q_kv_view import QAndKV
 from ..attention.staged_carry import PAPER_MODE_NOTE, CarriedReductionAttention
 from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
 from .timm_base import create_timm_base, describe_timm_base
-from .verify import TOLERANCE, float32_copy
+from .verify import eval_mode, float32_copy, record_verdict
 
 _RECORDED_ARGS = ("num_classes", "global_pool")
 LINEAR_ATTENTION_REASON = "linear attention already (keys pooled to 7x7): nothing for VCA to make linear"
@@ -142,17 +142,10 @@ class TimmPVTAdapter(ModelAdapter):
         module, carried = float32_copy(module, carried)  # checked in float32
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(2, grid[0] * grid[1], site.dim, generator=generator).to(next(module.parameters()))
-        was_training = module.training
-        module.eval()
-        try:
+        with eval_mode(module):
             expected = module(x, grid)
-        finally:
-            module.train(was_training)
         error = float((reference_reduction_attention(carried, x, grid) - expected).norm() / expected.norm())
-        site.verified = error < TOLERANCE
-        if not site.verified:
-            site.notes.append(f"reference spatial-reduction attention differs by {error:.2g} (relative)")
-        return site
+        return record_verdict(site, error, "spatial-reduction attention")
 
     def describe_base(self, model: nn.Module) -> dict[str, Any]:
         args = {key: getattr(model, key) for key in _RECORDED_ARGS if hasattr(model, key)}

@@ -27,7 +27,7 @@ from ..attention.staged_carry import CarriedWindowAttention
 from ..attention.window_call import WindowCall, close_window_call, current_window_call, open_window_call
 from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note, remove_hooks
 from .timm_base import create_timm_base, describe_timm_base
-from .verify import TOLERANCE, float32_copy
+from .verify import eval_mode, float32_copy, record_verdict
 
 _RECORDED_ARGS = ("num_classes", "global_pool")
 _MODULES = ("timm.models.swin_transformer", "timm.models.swin_transformer_v2")
@@ -180,20 +180,13 @@ class TimmSwinAdapter(ModelAdapter):
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(2 * 3, window, site.dim, generator=generator).to(next(module.parameters()))
         mask = torch.where(torch.rand(3, window, window, generator=generator) < 0.3, -100.0, 0.0).to(x)
-        was_training = module.training
-        module.eval()
-        try:
+        with eval_mode(module):
             errors = []
             for m in (None, mask):
                 expected = module(x, mask=m)
                 errors.append(float((reference_window_attention(carried, x, m) - expected).norm() / expected.norm()))
-        finally:
-            module.train(was_training)
         error = max(errors)
-        site.verified = error < TOLERANCE
-        if not site.verified:
-            site.notes.append(f"reference window attention differs by {error:.2g} (relative)")
-        return site
+        return record_verdict(site, error, "window attention")
 
     def describe_base(self, model: nn.Module) -> dict[str, Any]:
         args = {key: getattr(model, key) for key in _RECORDED_ARGS if hasattr(model, key)}

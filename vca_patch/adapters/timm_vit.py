@@ -22,7 +22,7 @@ from ..attention.fused_qkv import FusedQKVView, QKVWithSeparateBias, SplitQKV
 from .base import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite, attention_dropout_note
 from .call_shims import TokensOnly
 from .timm_base import create_timm_base, describe_timm_base
-from .verify import TOLERANCE, float32_copy
+from .verify import eval_mode, float32_copy, record_verdict
 
 _BLOCK_INDEX = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
 # Constructor arguments recorded so the same base model can be rebuilt.
@@ -261,18 +261,11 @@ class TimmViTAdapter(ModelAdapter):
         x = torch.randn(2, n, site.dim, generator=generator).to(weight)
         takes_shared = own is None and family.dropped_kwargs  # a shared bias only where the module has none
         shared = torch.randn(1, site.num_heads, n, n, generator=generator).to(weight) if takes_shared else None
-        was_training = module.training
-        module.eval()
-        try:
+        with eval_mode(module):
             expected = module(x, **({family.dropped_kwargs[0]: shared} if shared is not None else {}))
-        finally:
-            module.train(was_training)
         bias = sum(b for b in (own, shared) if b is not None)
         error = float((reference_biased_attention(carried, x, bias) - expected).norm() / expected.norm())
-        site.verified = error < TOLERANCE
-        if not site.verified:
-            site.notes.append(f"reference softmax attention with the pairwise bias differs by {error:.2g} (relative)")
-        return site
+        return record_verdict(site, error, "softmax attention with the pairwise bias")
 
     def describe_base(self, model: nn.Module) -> dict[str, Any]:
         args = {key: getattr(model, key) for key in _RECORDED_ARGS if hasattr(model, key)}

@@ -3,14 +3,38 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..attention import CarriedAttention
 
+if TYPE_CHECKING:
+    from .base import AttentionSite
+
 TOLERANCE = 1e-4  # relative error, float32
+
+
+@contextmanager
+def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
+    """`module` in eval mode inside the block (no dropout while it is probed), its own mode restored after."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train(was_training)
+
+
+def record_verdict(site: AttentionSite, error: float, reference: str) -> AttentionSite:
+    """Mark `site` verified when `error` (relative, against the `reference` named in the note) is within TOLERANCE."""
+    site.verified = error < TOLERANCE
+    if not site.verified:
+        site.notes.append(f"reference {reference} differs by {error:.2g} (relative)")
+    return site
 
 
 def reference_softmax_attention(carried: CarriedAttention, x: torch.Tensor) -> torch.Tensor:
@@ -51,11 +75,7 @@ def verification_error(
     weight = next(module.parameters())
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, 1 + 4 * 4, carried.dim, generator=generator).to(weight)
-    was_training = module.training
-    module.eval()
-    try:
+    with eval_mode(module):
         expected = call(module, x)
-    finally:
-        module.train(was_training)
     got = reference_softmax_attention(carried, x)
     return float((got - expected).norm() / expected.norm().clamp_min(1e-12))
