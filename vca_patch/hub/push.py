@@ -132,6 +132,16 @@ def _upload(
     return info.commit_url
 
 
+def require_hub(repo_id: str, folder: Path | None) -> None:
+    """HubUnavailableError, before anything is saved or staged, when the Hub cannot be reached (offline mode too)."""
+    reason = hub_unreachable()
+    if reason:
+        raise HubUnavailableError(
+            f"cannot push to {repo_id}: the Hugging Face Hub is unreachable ({reason}); nothing was uploaded"
+            + (f" and {folder} is unchanged" if folder else "")
+        )
+
+
 def push_to_hub(
     model_or_dir: nn.Module | str | Path,
     repo_id: str,
@@ -171,12 +181,7 @@ def push_to_hub(
         _check_pushable(meta, str(folder))
         check_folder_loads(folder, meta)
     token = resolve_token(token)
-    reason = hub_unreachable()
-    if reason:
-        raise HubUnavailableError(
-            f"cannot push to {repo_id}: the Hugging Face Hub is unreachable ({reason}); nothing was uploaded"
-            + (f" and {folder} is unchanged" if folder else "")
-        )
+    require_hub(repo_id, folder)
     with tempfile.TemporaryDirectory(prefix="vca-patch-push-") as tmp:
         if folder is None:
             folder = save_pretrained(

@@ -94,19 +94,12 @@ def push_spatial_tokens(
     given = [name for name, used in (vca_only or {}).items() if used]
     if given:
         raise ValueError(f"{', '.join(given)}: for vca-patch checkpoints, not LLaVA-SP models; drop them")
-    from ..hub.errors import HubUnavailableError
-    from ..hub.push import _upload, resolve_token
-    from ..hub.resolve import hub_unreachable
+    from ..hub.push import _upload, require_hub, resolve_token
 
     folder = None if isinstance(model_or_dir, nn.Module) else Path(model_or_dir).expanduser()
     meta = check_spatial_folder_loads(folder) if folder is not None else None
     token = resolve_token(token)
-    reason = hub_unreachable()
-    if reason:
-        raise HubUnavailableError(
-            f"cannot push to {repo_id}: the Hugging Face Hub is unreachable ({reason}); nothing was uploaded"
-            + (f" and {folder} is unchanged" if folder else "")
-        )
+    require_hub(repo_id, folder)
     with tempfile.TemporaryDirectory(prefix="vca-patch-push-") as tmp:
         if folder is None:
             folder = save_spatial_tokens(model_or_dir, Path(tmp) / "checkpoint", metadata=metadata)
