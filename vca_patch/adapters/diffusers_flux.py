@@ -76,11 +76,10 @@ class FluxJointLayerProcessor(CarriedLayerProcessor):
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
         layout: TokenLayout | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        owner = f"{type(self.layer).__name__} (patched into {type(attn).__name__} by vca_patch)"
+        owner = self.owner(attn)
         if encoder_hidden_states is None or image_rotary_emb is None:
             raise TypeError(f"{owner} needs encoder_hidden_states and image_rotary_emb (Flux double-stream attention)")
-        if attention_mask is not None:
-            raise ValueError(f"{owner} cannot apply an attention mask to linear attention")
+        self.refuse_mask(owner, attention_mask)
         self.bind(attn)
         return self.layer(hidden_states, encoder_hidden_states, layout=layout, rotary=image_rotary_emb)
 
@@ -98,11 +97,10 @@ class FluxSingleLayerProcessor(CarriedLayerProcessor):
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
         layout: TokenLayout | None = None,
     ) -> torch.Tensor:
-        owner = f"{type(self.layer).__name__} (patched into {type(attn).__name__} by vca_patch)"
+        owner = self.owner(attn)
         if encoder_hidden_states is not None:
             raise TypeError(f"{owner} is single-stream attention over [text; image]; it got encoder_hidden_states")
-        if attention_mask is not None:
-            raise ValueError(f"{owner} cannot apply an attention mask to linear attention")
+        self.refuse_mask(owner, attention_mask)
         self.bind(attn)
         return self.layer(hidden_states, layout=layout, rotary=image_rotary_emb)
 

@@ -53,6 +53,16 @@ class CarriedLayerProcessor:
         self.sources = dict(sources)
         self.original = original
 
+    def owner(self, attn: nn.Module) -> str:
+        """How call errors name this processor: its layer and the attention module it was patched into."""
+        return f"{type(self.layer).__name__} (patched into {type(attn).__name__} by vca_patch)"
+
+    @staticmethod
+    def refuse_mask(owner: str, attention_mask: torch.Tensor | None) -> None:
+        """Linear attention has no attention matrix to mask: a given mask is an error, never ignored."""
+        if attention_mask is not None:
+            raise ValueError(f"{owner} cannot apply an attention mask to linear attention")
+
     def bind(self, attn: nn.Module) -> None:
         """Point the layer at the modules and parameters `attn` holds now (identity checks, no copies)."""
         layer, modules = self.layer, self.layer._modules
@@ -80,11 +90,10 @@ class CarriedLayerProcessor:
         temb: torch.Tensor | None = None,
         layout: TokenLayout | None = None,
     ) -> torch.Tensor:
-        owner = f"{type(self.layer).__name__} (patched into {type(attn).__name__} by vca_patch)"
+        owner = self.owner(attn)
         if encoder_hidden_states is not None:
             raise TypeError(f"{owner} is a self-attention over image tokens; it got encoder_hidden_states")
-        if attention_mask is not None:
-            raise ValueError(f"{owner} cannot apply an attention mask to linear attention")
+        self.refuse_mask(owner, attention_mask)
         if hidden_states.ndim != 3:
             raise ValueError(f"{owner} takes [B, N, C] tokens, got shape {tuple(hidden_states.shape)}")
         self.bind(attn)
@@ -108,11 +117,10 @@ class JointLayerProcessor(CarriedLayerProcessor):
         temb: torch.Tensor | None = None,
         layout: TokenLayout | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        owner = f"{type(self.layer).__name__} (patched into {type(attn).__name__} by vca_patch)"
+        owner = self.owner(attn)
         if encoder_hidden_states is None:
             raise TypeError(f"{owner} is a joint image + text attention; it needs encoder_hidden_states")
-        if attention_mask is not None:
-            raise ValueError(f"{owner} cannot apply an attention mask to linear attention")
+        self.refuse_mask(owner, attention_mask)
         if hidden_states.ndim != 3:
             raise ValueError(f"{owner} takes [B, N, C] image tokens, got shape {tuple(hidden_states.shape)}")
         self.bind(attn)
