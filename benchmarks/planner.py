@@ -72,10 +72,10 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
     configs: dict[str, MergeConfig] = {}
     for r in merge_rates(info, size, 0, MERGE_FRACTIONS):
         configs[f"merge r={r}"] = MergeConfig(r=r)
-    chosen = {}
+    chosen, measured = {}, {}
     for budget in settings["budgets"]:
         try:
-            cand, _ = choose_measured(model, info, cands, budget, "both", calib, log=log)
+            cand, _ = choose_measured(model, info, cands, budget, "both", calib, log=log, measured=measured)
         except PlanError as error:
             log(f"  budget {budget}: {error}")
             continue

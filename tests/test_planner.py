@@ -303,3 +303,9 @@ def test_the_choice_is_the_best_measured_finalist_never_worse_than_merging_alone
     assert chosen is cands[2]  # the merging-only plan is always a finalist
     with pytest.raises(PlanError, match=r"budget 0\.50x"):
         choose_measured(model, info, cands, 0.5, "both", images)
+    calls.clear()
+    kept: dict = {}
+    for budget in (0.8, 0.75):  # measurements kept across budgets: each plan is applied and measured once
+        chosen, _ = choose_measured(model, info, cands, budget, "both", images, top=2, measured=kept)
+        assert chosen is cands[2]
+    assert sorted(calls) == sorted(measured) and sorted(kept) == sorted(measured)

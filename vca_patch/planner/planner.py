@@ -124,12 +124,15 @@ def choose_measured(
     top: int = 4,
     calibrate: bool = True,
     log: Callable[[str], None] | None = None,
+    measured: dict[str, dict[str, float]] | None = None,
 ) -> tuple[Candidate, dict[str, float]]:
     """The plan within `budget` whose *measured* objective on `images` is best, among the `top` best predicted and
     the best predicted merging-only plan (so the choice is never worse, on these images, than merging alone).
 
     The additive prediction underestimates how losses of several converted blocks compound, so it only ranks the
     candidates; each finalist is applied to a copy of `model` (calibrated like the plan) and measured.
+    `measured` (plan description -> scores on these same images) keeps the measurements across calls, e.g. one
+    per budget, so no plan is applied and measured twice.
     """
     best_predicted = choose(cands, budget, objective)  # PlanError naming the closest plan when none fits
     fitting = sorted((c for c in cands if c.latency <= budget), key=lambda c: (-c.score(objective), c.latency))
@@ -139,10 +142,15 @@ def choose_measured(
         finalists.append(merging)
     if len(finalists) == 1:
         return best_predicted, {}
-    reference = tokens(model, images, 8)
+    measured = {} if measured is None else measured
+    reference = None
     scored = []
     for cand in finalists:
-        scores = plan_fidelity(model, plan_config(cand, info, calibrate=calibrate), images, reference, calibrate)
+        scores = measured.get(cand.describe())
+        if scores is None:
+            reference = tokens(model, images, 8) if reference is None else reference
+            config = plan_config(cand, info, calibrate=calibrate)
+            scores = measured[cand.describe()] = plan_fidelity(model, config, images, reference, calibrate)
         if log is not None:
             log(f"  {cand.describe()}: predicted {cand.score(objective):.4f}, "
                 f"measured {measured_score(scores, objective):.4f}")  # fmt: skip
