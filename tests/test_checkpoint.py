@@ -37,7 +37,9 @@ def test_config_json_records_base_config_layers_and_version(tmp_path):
     assert meta["base"]["model_args"] == args
     assert meta["config"]["target"] == "vca" and meta["config"]["layers"] == [0]
     assert list(meta["layers"]) == ["blocks.0.attn"]
-    assert meta["params"]["after"] - meta["params"]["before"] == 2 * 49 * 192 + 10 * 64 + 10 * 192 + 3  # + temperatures
+    assert (
+        meta["params"]["after"] - meta["params"]["before"] == 2 * 49 * 192 + 10 * 64 + 10 * 192 + 3 + 192 * 3 + 3
+    )  # temperatures, gain
     card = (tmp_path / "c" / "README.md").read_text()
     assert card.startswith("---\n") and "library_name: vca-patch" in card and "license: apache-2.0" in card
 

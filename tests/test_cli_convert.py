@@ -30,7 +30,7 @@ def test_convert_with_local_weights_end_to_end(tmp_path, deit_weights):
     out = tmp_path / "out"
     result = invoke("convert", "deit_tiny_patch16_224", "--weights", str(weights), "--output", str(out))
     assert result.exit_code == 0, result.output
-    assert "12 / 0" in result.output and "+0.257 M" in result.output
+    assert "12 / 0" in result.output and "+0.263 M" in result.output
     assert "probe: output cosine to original" in result.output
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     meta = json.loads((out / "config.json").read_text())

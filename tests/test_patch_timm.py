@@ -28,11 +28,13 @@ def _layouts_seen(model):
 
 def test_deit_tiny_gains_the_papers_parameter_count():
     model = timm.create_model("deit_tiny_patch16_224", pretrained=False)
-    report = patch_model(model, VCAConfig(prefix_readout="contrast", stage2_temperature=False))  # the paper's layer
+    paper = VCAConfig(prefix_readout="contrast", stage2_temperature=False, token_magnitude=False)  # the paper's layer
+    report = patch_model(model, paper)
     assert len(report.patched) == 12 and not report.skipped
     assert report.params_added == 256_512  # paper: 5.7 M -> 6.0 M
     default = timm.create_model("deit_tiny_patch16_224", pretrained=False)
-    assert patch_model(default).params_added == 256_512 + 12 * 3  # + a Stage-II temperature per head
+    # + a Stage-II temperature per head, + the per-token gain (C x M weights, M biases) per layer
+    assert patch_model(default).params_added == 256_512 + 12 * 3 + 12 * (192 * 3 + 3)
     assert [round(s.settings["lambda_init"], 3) for s in report.patched][:3] == [0.2, 0.356, 0.471]
     assert all(isinstance(b.attn, VisualContrastAttention) for b in model.blocks)
 

@@ -22,7 +22,7 @@ pytestmark = needs_fashion_mnist
 def _converted(n: int = 4, calibrated: dict | None = None, **config) -> torch.nn.Module:
     """The tiny trained ViT converted with the paper's layer unless `config` asks for the extra options."""
     model = trained_tiny_vit()
-    config = {"prefix_readout": "contrast", "stage2_temperature": False, **config}
+    config = {"prefix_readout": "contrast", "stage2_temperature": False, "token_magnitude": False, **config}
     vca_patch.patch_model(model, vca_patch.VCAConfig(contrast_tokens=n, **config))
     if calibrated is not None:
         calibrate(model, [probe_images(128, "train")], **calibrated)
@@ -40,7 +40,7 @@ def test_preserve_init_beats_paper_init_on_a_trained_model():
 
 
 def test_each_closed_form_step_is_measured_and_helps():
-    model = _converted(prefix_readout="exact", stage2_temperature=True)
+    model = _converted(prefix_readout="exact", stage2_temperature=True, token_magnitude=False)
     report = calibrate(model, [probe_images(128, "train")])
     assert report.steps == ["init", "neg_noise", "temperature", "norm", "dwc"]
     for layer in report.layers:
@@ -214,4 +214,4 @@ def test_bfloat16_calibration_matches_float32_and_keeps_the_dtype():
     for (name, a), (_, b) in zip(model.named_parameters(), half.named_parameters(), strict=True):
         if "stage2_norm" in name or "dwc" in name:
             rel = float((a.detach().double() - b.detach().double()).norm() / a.detach().double().norm())
-            assert rel < 3e-2, (name, rel)  # bf16 rounding of a float64 solve: measured <= 1e-2
+            assert rel < 6e-2, (name, rel)  # bf16 rounding of a float64 solve: measured <= 1e-2, 3.4e-2 with the gain

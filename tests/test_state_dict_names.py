@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 # Top-level names of the members each target adds to a layer; every other key of a patched model is the original's.
 NEW_MEMBERS = {
     "vca": {"contrast_embed_pos", "contrast_embed_neg", "stage2_temperature", "lambda1", "lambda2", "stage1_norm"}
-    | {"stage2_norm", "dwc"},
+    | {"stage2_norm", "dwc", "token_gain"},
     "mano": {"down", "up", "up_gain"},
 }
 TARGETS = {"vca": VCAConfig(contrast_tokens=4, init="paper"), "mano": MANOConfig(window=2, init="random")}

@@ -118,7 +118,7 @@ def test_calibrate_fits_the_gain_and_it_lowers_the_error():
     assert all(g.weight.abs().sum() > 0 for g in gains)
     # Without the option, or with magnitude=False, the step does not run.
     plain = _tiny_vit()
-    vca_patch.patch_model(plain, VCAConfig(contrast_tokens=4))
+    vca_patch.patch_model(plain, VCAConfig(contrast_tokens=4, token_magnitude=False))
     assert "magnitude" not in calibrate(plain, images).steps
     with pytest.raises(ValueError, match="magnitude_rounds"):
         calibrate(plain, images, magnitude_rounds=0)
