@@ -19,7 +19,11 @@ from .attention import TokenLayout
 
 
 def model_input_size(model: nn.Module) -> tuple[int, int, int]:
-    """(C, H, W) the model expects, from its pretrained config or patch embedding."""
+    """(C, H, W) the model expects: `vca_patch_input_size` when set (the CLI's --img-size for a model that takes
+    any size), else from its pretrained config or patch embedding."""
+    chosen = getattr(model, "vca_patch_input_size", None)
+    if chosen is not None:
+        return tuple(int(v) for v in chosen)
     cfg = getattr(model, "pretrained_cfg", None) or {}
     embed = getattr(model, "patch_embed", None)
     if embed is not None and getattr(embed, "img_size", None) is not None:

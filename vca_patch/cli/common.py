@@ -142,12 +142,21 @@ def img_size_args(img_size: int | None) -> dict[str, Any]:
     return {"img_size": img_size}
 
 
+# transformers model types whose position table is interpolated to any input size on every forward
+RESIZABLE_TRANSFORMERS = ("dinov2", "dinov2_with_registers")
+
+
 def check_img_size(net: nn.Module, name: str, img_size: int | None) -> None:
-    """A transformers model takes its image size from its config: refuse an --img-size that differs from it."""
+    """A transformers model takes its image size from its config: refuse an --img-size that differs from it, except
+    for models that interpolate their position table on every forward (DINOv2), whose config then records it."""
     from ..fidelity import model_input_size
     from ..io.base_model import is_transformers_source
 
     if img_size is None or not is_transformers_source(name):
+        return
+    config = getattr(net, "config", None)
+    if getattr(config, "model_type", None) in RESIZABLE_TRANSFORMERS:
+        net.vca_patch_input_size = (3, img_size, img_size)  # probed, calibrated, measured at (the config unchanged)
         return
     _, height, width = model_input_size(net)
     if (height, width) != (img_size, img_size):

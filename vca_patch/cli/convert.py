@@ -86,6 +86,17 @@ def convert(
         str, typer.Option(help="VCA: prefix tokens read all keys (exact) or only the contrast tokens (contrast, paper)")
     ] = "exact",
     stage2_temperature: Annotated[bool, typer.Option(help="VCA: per-head Stage-II temperature (init 1)")] = True,
+    token_magnitude: Annotated[
+        bool | None,
+        typer.Option(
+            "--token-magnitude/--no-token-magnitude",
+            help="VCA: per-token output gain that calibration fits (default: on for single-grid ViTs)",
+        ),
+    ] = None,
+    grow_tokens: Annotated[
+        float | None,
+        typer.Option(help="VCA calibration: layers whose error stays above this get 4x the contrast tokens (e.g. 0.4)"),
+    ] = None,
     calibration_data: Annotated[
         Path | None, typer.Option(help="VCA: calibrate on real images (idx folder, ImageFolder root, HF name)")
     ] = None,
@@ -103,7 +114,7 @@ def convert(
         bool, typer.Option("--force", help="Replace a non-empty output folder as a whole (its other files are listed)")
     ] = False,
     img_size: Annotated[
-        int | None, typer.Option(help="Input size in pixels (timm's img_size; transformers: must match the config)")
+        int | None, typer.Option(help="Input size in pixels (timm's img_size; transformers: the config's, any for DINOv2)")
     ] = None,
     device: Annotated[str, typer.Option(help=f"Where to convert and measure: {DEVICE_HELP}")] = "auto",
     dtype: Annotated[str, typer.Option(help=f"{DTYPE_HELP} (the model is cast, then patched)")] = "float32",
@@ -139,7 +150,8 @@ def convert(
                     "--prefix-readout": (prefix_readout, "exact"), "--stage2-temperature": (stage2_temperature, True),
                     "--calibration-data": (calibration_data, None), "--split": (split, "train"),
                     "--eval-split": (eval_split, "test"), "--swin-mode": (swin_mode, "residual"),
-                    "--pvt-mode": (pvt_mode, "carry"), "--stage-contrast-tokens": (stage_contrast_tokens, None)},
+                    "--pvt-mode": (pvt_mode, "carry"), "--stage-contrast-tokens": (stage_contrast_tokens, None),
+                    "--token-magnitude": (token_magnitude, None), "--grow-tokens": (grow_tokens, None)},
             "mano": {"--window": (window, 7), "--rate": (rate, 2), "--levels": (levels, None), "--down": (down, "conv"),
                      "--up": (up, "conv"), "--prefix": (prefix, "global")},
             "didb": {"--packed": (packed, False)},
@@ -153,6 +165,10 @@ def convert(
                   if given and calibration_data is None]  # fmt: skip
         if unused:
             raise ConfigError(f"{' and '.join(unused)} choose splits of --calibration-data; pass it too, or drop them")
+        if grow_tokens is not None and (calibration_data is None or not grow_tokens > 0):
+            raise ConfigError(
+                f"--grow-tokens takes a positive error threshold and --calibration-data; got {grow_tokens}"
+            )
         for name, value in (("--probe-size", probe_size), ("--calibration-images", calibration_images)):
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1 image, got {value}")
@@ -164,7 +180,8 @@ def convert(
         elif to == "vca":
             config = VCAConfig(
                 contrast_tokens=contrast_tokens, softmax=softmax, init=init, layers=parse_layers(layers), seed=seed,
-                prefix_readout=prefix_readout, stage2_temperature=stage2_temperature, include=include, exclude=exclude,
+                prefix_readout=prefix_readout, stage2_temperature=stage2_temperature, token_magnitude=token_magnitude,
+                include=include, exclude=exclude,
                 swin_mode=swin_mode, pvt_mode=pvt_mode, stage_contrast_tokens=parse_stage_tokens(stage_contrast_tokens),
             )  # fmt: skip
         elif to == "mano":
@@ -219,7 +236,14 @@ def convert(
     else:
         with console.status("Calibrating and measuring fidelity..."):
             fidelity_summary, measured_on = calibrate_for_convert(
-                net, calibration_data, calibration_kind, calibration_images, probe, split=split, eval_split=eval_split
+                net,
+                calibration_data,
+                calibration_kind,
+                calibration_images,
+                probe,
+                split=split,
+                eval_split=eval_split,
+                grow_tokens=grow_tokens,
             )
     with console.status(f"Saving to {output}..."):
         save_pretrained(

@@ -158,13 +158,22 @@ def summary_table(summary: dict[str, float], title: str = "Fidelity to the origi
 
 
 def calibrate_for_convert(
-    net, data: Path | None, kind: str | None, images: int, probe, *, split: str = "train", eval_split: str = "test"
+    net,
+    data: Path | None,
+    kind: str | None,
+    images: int,
+    probe,
+    *,
+    split: str = "train",
+    eval_split: str = "test",
+    grow_tokens: float | None = None,
 ) -> tuple[dict[str, float], str]:
     """Calibrate a freshly patched VCA model on `images` images of split `split` of `data` (when given) and
     measure it (on `eval_split` of the same data, else on `probe`). Returns (summary, where measured).
 
     An ImageFolder's splits are its sub-folders (aliases such as val/validation resolved); a flat folder of class
-    sub-folders is split 4 : 1 instead. Two split names that resolve to the same folder are refused."""
+    sub-folders is split 4 : 1 instead. Two split names that resolve to the same folder are refused. `grow_tokens`:
+    see `calibrate` (the layers it rebuilds are named on the console)."""
     import torch
     from torch.utils.data import DataLoader, Subset
 
@@ -193,7 +202,10 @@ def calibrate_for_convert(
     calib = DataLoader(Subset(train, range(min(images, len(train)))), batch_size=64)
     probe_set = DataLoader(Subset(held_out, range(min(images, len(held_out)))), batch_size=64)
     with torch.no_grad():
-        calibrate(net, calib)
+        report = calibrate(net, calib, grow_tokens=grow_tokens)
+        if report.grown:
+            grown = ", ".join(f"block {block}: n = {n}" for block, n in sorted(report.grown.items()))
+            console.print(f"Calibration gave more contrast tokens to {grown}", highlight=False)
         where = f"{min(images, len(held_out))} held-out images of {data}"
         return measure(None, net, probe_set).summary(), where
 
