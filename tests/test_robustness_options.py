@@ -131,9 +131,9 @@ def test_convert_calibrates_on_images_it_does_not_measure_on(tmp_path, monkeypat
     seen: dict[str, set[bytes]] = {}
 
     def record(name):
-        def run(*args):
+        def run(*args, **kwargs):
             seen[name] = {x.numpy().tobytes() for images, _ in args[-1] for x in images}
-            return SimpleNamespace(summary=dict)
+            return SimpleNamespace(summary=dict, grown={})
 
         return run
 
@@ -186,7 +186,12 @@ def test_convert_calibrates_on_the_named_split_and_measures_on_the_other(tmp_pat
     fidelity_module = importlib.import_module("vca_patch.fidelity")
     recovery = importlib.import_module("vca_patch.recovery")
     seen: dict[str, int] = {}
-    monkeypatch.setattr(recovery, "calibrate", lambda net, loader: seen.update(calibrated=len(loader.dataset)))
+
+    def calibrate(net, loader, **options):
+        seen.update(calibrated=len(loader.dataset))
+        return SimpleNamespace(grown={})
+
+    monkeypatch.setattr(recovery, "calibrate", calibrate)
     monkeypatch.setattr(
         fidelity_module, "fidelity", lambda a, b, loader: seen.update(measured=len(loader.dataset)) or SimpleNamespace(
             summary=dict)

@@ -114,7 +114,7 @@ def convert(
         bool, typer.Option("--force", help="Replace a non-empty output folder as a whole (its other files are listed)")
     ] = False,
     img_size: Annotated[
-        int | None, typer.Option(help="Input size in pixels (timm's img_size; transformers: the config's, any for DINOv2)")
+        int | None, typer.Option(help="Input size in pixels (timm's img_size; transformers: the config's; DINOv2: any)")
     ] = None,
     device: Annotated[str, typer.Option(help=f"Where to convert and measure: {DEVICE_HELP}")] = "auto",
     dtype: Annotated[str, typer.Option(help=f"{DTYPE_HELP} (the model is cast, then patched)")] = "float32",

@@ -43,7 +43,7 @@ def inspect(
     stage_contrast_tokens: Annotated[str | None, typer.Option(help=STAGE_TOKENS_HELP)] = None,
     strict: Annotated[bool, typer.Option("--strict", help="Fail on approximate or unverified conversions")] = False,
     img_size: Annotated[
-        int | None, typer.Option(help="Input size in pixels (timm's img_size; transformers: the config's, any for DINOv2)")
+        int | None, typer.Option(help="Input size in pixels (timm's img_size; transformers: the config's; DINOv2: any)")
     ] = None,
 ) -> None:
     """Dry run: show MODEL's attention sites and what `convert` would do with each."""
