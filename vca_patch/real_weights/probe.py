@@ -1,0 +1,76 @@
+"""A downstream check for head-less backbones: a Fashion-MNIST linear probe on [CLS, mean patch] features.
+
+Two accuracies per converted model: a probe trained on its own features ("own": is the information still there?)
+and the original's probe applied to its features ("original's": is it a drop-in replacement?).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data.fashion_mnist import load_fashion_mnist
+from .load import final_tokens
+from .photos import normalize
+
+
+def fashion_mnist_images(split: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(28 px grey images in [0, 1] [N, 1, 28, 28], int64 labels): the first `count` of `split`."""
+    return load_fashion_mnist(split, limit=count, img_size=28, normalize=False).tensors
+
+
+@torch.no_grad()
+def probe_features(model: nn.Module, images: torch.Tensor, size: int, batch: int) -> np.ndarray:
+    """[CLS, mean patch] features [N, 2C] of grey 28 px images upsampled to `size` px and ImageNet-normalised."""
+    device = next(model.parameters()).device
+    out = []
+    for i in range(0, len(images), batch):
+        x = F.interpolate(images[i : i + batch], size=(size, size), mode="bilinear", align_corners=False)
+        feats = final_tokens(model, normalize(x.expand(-1, 3, -1, -1)).to(device)).float().cpu()
+        out.append(torch.cat([feats[:, 0], feats[:, 1:].mean(1)], dim=-1))
+    return torch.cat(out).numpy()
+
+
+def fit_probe(features: np.ndarray, labels: np.ndarray) -> Any:
+    """A standardised multinomial logistic-regression probe (scikit-learn)."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    return make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000, C=0.1)).fit(features, labels)
+
+
+@dataclass
+class LinearProbe:
+    """The original's probe and the data, to score converted models against it (`LinearProbe.fit`, `score`)."""
+
+    train: tuple[torch.Tensor, torch.Tensor]
+    test: tuple[torch.Tensor, torch.Tensor]
+    size: int
+    batch: int
+    original: Any = None
+    accuracy: float = 0.0
+
+    @classmethod
+    def fit(cls, original: nn.Module, train: int, test: int, size: int, batch: int = 16) -> LinearProbe:
+        """Train the original's probe on `train` Fashion-MNIST training images; `accuracy` on `test` test images."""
+        probe = cls(fashion_mnist_images("train", train), fashion_mnist_images("test", test), size, batch)
+        probe.original = fit_probe(probe_features(original, probe.train[0], size, batch), probe.train[1].numpy())
+        test_features = probe_features(original, probe.test[0], size, batch)
+        probe.accuracy = float(probe.original.score(test_features, probe.test[1].numpy()))
+        return probe
+
+    def score(self, model: nn.Module) -> dict[str, float]:
+        """{"probe_own": a probe trained on `model`'s features, "probe_original": the original's probe on them}."""
+        own_train = probe_features(model, self.train[0], self.size, self.batch)
+        own_test = probe_features(model, self.test[0], self.size, self.batch)
+        labels = self.test[1].numpy()
+        return {
+            "probe_own": float(fit_probe(own_train, self.train[1].numpy()).score(own_test, labels)),
+            "probe_original": float(self.original.score(own_test, labels)),
+        }
