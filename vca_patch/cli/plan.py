@@ -1,4 +1,4 @@
-"""`vca-patch plan`: choose per block between softmax, VCA(n) and token merging to meet a latency budget."""
+"""`vca-patch plan`: choose per block between softmax, VCA(n), MANO(k) and token merging to meet a latency budget."""
 
 from __future__ import annotations
 
@@ -33,7 +33,11 @@ def plan_table(result: PlanResult) -> Table:
     for column in ("block", "attention", "tokens in", "merged after"):
         table.add_column(column, justify="right" if column != "attention" else "left")
     for i, tokens in enumerate(counts):
-        attention = f"VCA n={chosen.vca_layers[i]}" if i in chosen.vca_layers else "softmax"
+        attention = "softmax"
+        if i in chosen.vca_layers:
+            attention = f"VCA n={chosen.vca_layers[i]}"
+        elif i in chosen.mano_layers:
+            attention = f"MANO k={chosen.mano_layers[i]}"
         if chosen.schedule[i] or any(chosen.schedule[:i]):
             attention += " (proportional)"
         table.add_row(str(i), attention, str(tokens), str(chosen.schedule[i]))
@@ -71,6 +75,9 @@ def plan(
     contrast_tokens: Annotated[
         str, typer.Option(help="VCA contrast-token counts n to try, e.g. '16,49' ('none': merging only)")
     ] = "16,49",
+    mano_windows: Annotated[
+        str, typer.Option(help="MANO window sides k to try, e.g. '7' ('' or 'none': no MANO blocks)")
+    ] = "7",
     merge_fractions: Annotated[
         str, typer.Option(help="Fractions of the patch tokens merging may remove, e.g. '0.3,0.5,0.7,0.85,0.95'")
     ] = "0.3,0.5,0.7,0.85,0.95",
@@ -88,6 +95,7 @@ def plan(
     predicted fidelity (apply it with `vca-patch convert MODEL --plan FILE` or `patch_model(m, load_plan(FILE))`)."""
     png = png or output.with_suffix(".png")
     ns = [] if contrast_tokens.strip().lower() == "none" else _numbers(contrast_tokens, int, "--contrast-tokens")
+    ks = [] if mano_windows.strip().lower() in ("", "none") else _numbers(mano_windows, int, "--mano-windows")
     fractions = _numbers(merge_fractions, float, "--merge-fractions")
     try:
         if not budget > 0:
@@ -114,8 +122,9 @@ def plan(
         held = load_images(files[images : images + eval_images], resolution, **norm) if eval_images else None
         with console.status(f"Planning {model} at {resolution} px for {budget:g}x latency..."):
             result = plan_model(
-                net, calib, budget=budget, resolution=resolution, contrast_tokens=ns, merge_fractions=fractions,
-                calibrate=calibrate, objective=objective, eval_images=held, repeats=repeats, log=console.print,
+                net, calib, budget=budget, resolution=resolution, contrast_tokens=ns, mano_windows=ks,
+                merge_fractions=fractions, calibrate=calibrate, objective=objective, eval_images=held, repeats=repeats,
+                log=console.print,
             )  # fmt: skip
     except (PlanError, ConfigError) as exc:
         fail(str(exc), 2)

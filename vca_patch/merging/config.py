@@ -1,4 +1,4 @@
-"""`MergeConfig`: token merging (ToMe) as a target, alone or after VCA in the blocks before the first merge."""
+"""`MergeConfig`: token merging (ToMe) as a target, alone or after VCA / MANO in the blocks before the first merge."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from ..attention import CarriedAttention
-from ..config import ConfigError, TargetConfig, VCAConfig
+from ..attention import CarriedAttention, MultipoleAttention
+from ..config import ConfigError, MANOConfig, TargetConfig, VCAConfig
 from .attention import MergingAttention
 from .block import MergeState, MergingForward, block_family
 
 # VCAConfig options a merge config passes to its VCA layers (contrast tokens are per layer, in vca_layers).
 _VCA_OPTIONS = {"softmax", "init", "rms_eps", "prefix_readout", "stage2_temperature", "token_magnitude"}
+# MANOConfig options a merge config passes to its MANO layers (the window is per layer, in mano_layers).
+_MANO_OPTIONS = {"rate", "levels", "down", "up", "init", "prefix", "pad"}
 _EXPECT_KEYS = ("depth", "dim", "num_heads")
 
 
@@ -53,6 +55,9 @@ class MergeConfig(TargetConfig):
             so every VCA block must come before the first block that merges (r > 0); anything else is refused.
         vca: VCAConfig options for those blocks (softmax, init, rms_eps, prefix_readout, stage2_temperature,
             token_magnitude).
+        mano_layers: {block: window k}: these blocks get Multipole Attention (MANO) instead (see `mano`); like VCA,
+            only before the first block that merges, and never a block that is in vca_layers too.
+        mano: MANOConfig options for those blocks (rate, levels, down, up, init, prefix, pad).
         expect: {"depth", "dim", "num_heads"} of the model a plan was made for; patching another model is refused.
     """
 
@@ -62,6 +67,8 @@ class MergeConfig(TargetConfig):
     schedule: list[int] | None = None
     vca_layers: dict[int, int] | None = None
     vca: dict[str, Any] = field(default_factory=dict)
+    mano_layers: dict[int, int] | None = None
+    mano: dict[str, Any] = field(default_factory=dict)
     expect: dict[str, int] | None = None
 
     def validate(self) -> None:
@@ -83,19 +90,35 @@ class MergeConfig(TargetConfig):
             bad = sorted(set(self.vca) - _VCA_OPTIONS) if isinstance(self.vca, dict) else self.vca
             raise ConfigError(f"vca takes VCAConfig options {sorted(_VCA_OPTIONS)}; got {bad!r}")
         VCAConfig(**self.vca)  # the options' own checks
+        if self.mano_layers is not None:
+            layers = _int_keys("mano_layers", self.mano_layers)
+            for block, k in layers.items():
+                if k < 1:
+                    raise ConfigError(f"mano_layers[{block}] must be a positive window side k, got {k!r}")
+            self.mano_layers = dict(sorted(layers.items())) or None
+        if not isinstance(self.mano, dict) or set(self.mano) - _MANO_OPTIONS:
+            bad = sorted(set(self.mano) - _MANO_OPTIONS) if isinstance(self.mano, dict) else self.mano
+            raise ConfigError(f"mano takes MANOConfig options {sorted(_MANO_OPTIONS)}; got {bad!r}")
+        MANOConfig(**self.mano)
+        both = sorted(set(self.vca_layers or {}) & set(self.mano_layers or {}))
+        if both:
+            raise ConfigError(
+                f"blocks {both} are in both vca_layers and mano_layers; a block gets one attention: take each out "
+                "of one of them"
+            )
         if self.expect is not None and (
             not isinstance(self.expect, dict) or sorted(self.expect) != sorted(_EXPECT_KEYS)
         ):
             raise ConfigError(f"expect must give {list(_EXPECT_KEYS)}, got {self.expect!r}")
-        vca_blocks = sorted(self.vca_layers or {})
         first = self.first_merge()
-        if vca_blocks and first is not None and vca_blocks[-1] >= first:
-            late = [i for i in vca_blocks if i >= first]
-            raise ConfigError(
-                f"VCA needs the patch grid, which merging destroys: VCA blocks must all come before the first block "
-                f"that merges (block {first}), but vca_layers asks for blocks {late}. Set their r (and that of every "
-                "earlier block) to 0 in `schedule`, or take them out of vca_layers"
-            )
+        for name, kind, layers in (("vca_layers", "VCA", self.vca_layers), ("mano_layers", "MANO", self.mano_layers)):
+            late = [i for i in sorted(layers or {}) if first is not None and i >= first]
+            if late:
+                raise ConfigError(
+                    f"{kind} needs the patch grid, which merging destroys: {kind} blocks must all come before the "
+                    f"first block that merges (block {first}), but {name} asks for blocks {late}. Set their r (and "
+                    f"that of every earlier block) to 0 in `schedule`, or take them out of {name}"
+                )
 
     def r_for(self, layer_index: int) -> int:
         """Tokens merged after block `layer_index`'s attention."""
@@ -111,6 +134,13 @@ class MergeConfig(TargetConfig):
 
     def _vca_config(self) -> VCAConfig:
         return VCAConfig(**self.vca, layer_contrast_tokens=self.vca_layers, seed=self.seed)
+
+    def _mano_config(self, window: int) -> MANOConfig:
+        return MANOConfig(**self.mano, window=window, seed=self.seed)
+
+    def grid_layers(self) -> dict[int, int]:
+        """{block: n or k} of the blocks that run on the patch grid (VCA and MANO) instead of merging."""
+        return {**(self.vca_layers or {}), **(self.mano_layers or {})}
 
     def _check_model(self, depth: int | None, carried: CarriedAttention | None) -> None:
         if self.expect is None:
@@ -131,22 +161,25 @@ class MergeConfig(TargetConfig):
         self._check_model(None, carried)
         if layer_index in (self.vca_layers or {}):
             return self._vca_config().build_layer(carried, layer_index)
+        if layer_index in (self.mano_layers or {}):
+            return self._mano_config(self.mano_layers[layer_index]).build_layer(carried, layer_index)
         return MergingAttention.from_carried(carried)
 
     def block_forwards(self, blocks: dict[int, tuple[nn.Module, str]]) -> dict[int, MergingForward]:
         """The merging forwards of the softmax blocks ({block index: (block, attention name)} of every patched site);
-        the VCA blocks run as they are. One `MergeState` is shared by this model's blocks."""
+        the VCA and MANO blocks run as they are. One `MergeState` is shared by this model's blocks."""
         indices = sorted(blocks)
         self._check_model(len(indices), None)
         if self.schedule is not None and len(self.schedule) > indices[-1] + 1:
             raise ConfigError(f"schedule gives r for {len(self.schedule)} blocks; this model has {indices[-1] + 1}")
-        vca = self.vca_layers or {}
-        outside = sorted(set(vca) - set(indices))
-        if outside:
-            raise ConfigError(f"vca_layers names blocks {outside}, which are not patched attention blocks here")
+        for name, layers in (("vca_layers", self.vca_layers), ("mano_layers", self.mano_layers)):
+            outside = sorted(set(layers or {}) - set(indices))
+            if outside:
+                raise ConfigError(f"{name} names blocks {outside}, which are not patched attention blocks here")
+        grid = self.grid_layers()
         if indices != list(range(indices[0], indices[-1] + 1)):
             raise ConfigError(f"token merging converts a run of consecutive blocks; got blocks {indices}")
-        merging = [i for i in indices if i not in vca]
+        merging = [i for i in indices if i not in grid]
         if not merging:
             return {}
         families = {i: block_family(*blocks[i]) for i in merging}  # refuses unknown blocks before building any
@@ -161,4 +194,6 @@ class MergeConfig(TargetConfig):
     def layer_settings(self, layer: nn.Module) -> dict[str, Any]:
         if isinstance(layer, MergingAttention):
             return {"attention": "softmax (proportional)"}
+        if isinstance(layer, MultipoleAttention):
+            return {"attention": "mano", **self._mano_config(layer.window).layer_settings(layer)}
         return {"attention": "vca", "contrast_tokens": layer.num_contrast_tokens}

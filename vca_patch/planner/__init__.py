@@ -1,4 +1,4 @@
-"""The conversion planner: per-layer sensitivity, a latency model and a search over softmax / VCA(n) / merging."""
+"""The conversion planner: per-layer sensitivity, a latency model, a search over softmax / VCA / MANO / merging."""
 
 from .front import draw_front
 from .model_info import ModelInfo, PlanError, model_info

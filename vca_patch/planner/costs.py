@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from ..attention import TokenLayout
+from ..attention.mano_macs import mano_attention_macs
 from ..bench.flops import AttentionShape, vca_attention_macs
 from ..bench.timing import median, time_interleaved
-from ..config import VCAConfig
+from ..config import MANOConfig, TargetConfig, VCAConfig
 from ..real_weights.load import final_tokens
 from ..surgery import get_patch_state, patch_model
 from .model_info import ModelInfo
@@ -35,15 +36,25 @@ def token_counts(info: ModelInfo, resolution: int, schedule: Sequence[int]) -> l
     return counts
 
 
-def plan_macs(info: ModelInfo, resolution: int, schedule: Sequence[int], vca_layers: dict[int, int]) -> float:
-    """MACs of the blocks (FLOP model of bench/flops.py: 2·N²·C softmax, VCA's linear count, token-wise Linears)."""
+def plan_macs(
+    info: ModelInfo,
+    resolution: int,
+    schedule: Sequence[int],
+    vca_layers: dict[int, int],
+    mano_layers: dict[int, int] | None = None,
+) -> float:
+    """MACs of the blocks (FLOP model of bench/flops.py: 2·N²·C softmax, VCA's linear count, MANO's count of
+    attention/mano_macs.py with the default MANOConfig at window k, token-wise Linears)."""
     grid = info.grid(resolution)
+    mano_layers = mano_layers or {}
     total = 0.0
     for i, tokens in enumerate(token_counts(info, resolution, schedule)):
         total += tokens * info.linear_macs_per_token
         if i in vca_layers:
             shape = AttentionShape(info.num_prefix_tokens, grid, info.dim, info.num_heads)
             total += vca_attention_macs(shape, vca_layers[i], exact_prefix=True)
+        elif i in mano_layers:
+            total += mano_attention_macs(info.num_prefix_tokens, grid, info.dim, window=mano_layers[i])
         else:
             total += 2.0 * tokens**2 * info.dim
     return total
@@ -51,25 +62,42 @@ def plan_macs(info: ModelInfo, resolution: int, schedule: Sequence[int], vca_lay
 
 @dataclass
 class LatencyTable:
-    """Measured batch-1 seconds: one softmax block at several token counts, one VCA block per n at the full grid,
-    the rest of the model (embedding, final norm), and the whole original model."""
+    """Measured batch-1 seconds: one softmax block at several token counts, one VCA block per n and one MANO block
+    per window k at the full grid, the rest of the model (embedding, final norm), and the whole original model."""
 
     original_s: float
     other_s: float
     softmax_tokens: list[int]
     softmax_s: list[float]
     vca_s: dict[int, float] = field(default_factory=dict)
+    mano_s: dict[int, float] = field(default_factory=dict)
 
-    def block_s(self, tokens: int, contrast_tokens: int | None = None) -> float:
+    def block_s(self, tokens: int, contrast_tokens: int | None = None, window: int | None = None) -> float:
         if contrast_tokens is not None:
             return self.vca_s[contrast_tokens]
+        if window is not None:
+            return self.mano_s[window]
         return float(np.interp(tokens, self.softmax_tokens, self.softmax_s))
 
-    def ratio(self, info: ModelInfo, resolution: int, schedule: Sequence[int], vca_layers: dict[int, int]) -> float:
+    def ratio(
+        self,
+        info: ModelInfo,
+        resolution: int,
+        schedule: Sequence[int],
+        vca_layers: dict[int, int],
+        mano_layers: dict[int, int] | None = None,
+    ) -> float:
         """Predicted latency of a plan over the original's."""
         counts = token_counts(info, resolution, schedule)
-        blocks = sum(self.block_s(t, vca_layers.get(i)) for i, t in enumerate(counts))
+        mano_layers = mano_layers or {}
+        blocks = sum(self.block_s(t, vca_layers.get(i), mano_layers.get(i)) for i, t in enumerate(counts))
         return (self.other_s + blocks) / self.original_s
+
+    def faster_mano_windows(self) -> list[int]:
+        """The measured MANO windows whose block beats a softmax block at the full grid. MANO blocks come before the
+        first merge, on the full grid, so a slower window can never save latency: the search would never pick it."""
+        full = self.softmax_s[int(np.argmax(self.softmax_tokens))]
+        return sorted(k for k, seconds in self.mano_s.items() if seconds < full)
 
     def to_dict(self) -> dict:
         return {
@@ -77,14 +105,22 @@ class LatencyTable:
             "other_ms": 1e3 * self.other_s,
             "softmax_block_ms": {t: 1e3 * s for t, s in zip(self.softmax_tokens, self.softmax_s, strict=True)},
             "vca_block_ms": {n: 1e3 * s for n, s in self.vca_s.items()},
+            "mano_block_ms": {k: 1e3 * s for k, s in self.mano_s.items()},
         }
 
 
 @torch.no_grad()
 def measure_latency_table(
-    model: nn.Module, info: ModelInfo, resolution: int, contrast_tokens: Sequence[int], *, repeats: int = 3
+    model: nn.Module,
+    info: ModelInfo,
+    resolution: int,
+    contrast_tokens: Sequence[int],
+    *,
+    mano_windows: Sequence[int] = (),
+    repeats: int = 3,
 ) -> LatencyTable:
-    """Time the original model, its first block at a few token counts and that block as VCA(n) at the full grid."""
+    """Time the original model, its first block at a few token counts and that block as VCA(n) and as MANO(k) at
+    the full grid."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     full = info.tokens(resolution)
@@ -99,20 +135,26 @@ def measure_latency_table(
     fns["original"] = lambda: final_tokens(model, image)
     x_full = torch.randn(1, full, info.dim, device=device, dtype=dtype)
     layout = TokenLayout(prefix, info.grid(resolution))
-    vca_models = {}
-    for n in contrast_tokens:
+    twins = []  # kept alive while timing
+    vca = [(f"vca:{n}", VCAConfig(contrast_tokens=n, layers=[0])) for n in contrast_tokens]
+    mano = [(f"mano:{k}", MANOConfig(window=k, layers=[0])) for k in mano_windows]
+    converted: list[tuple[str, TargetConfig]] = [*vca, *mano]
+    for name, config in converted:
         twin = copy.deepcopy(model)
-        patch_model(twin, VCAConfig(contrast_tokens=n, layers=[0]))
-        vca_models[n] = twin
+        patch_model(twin, config)
+        twins.append(twin)
         twin_block, tracker = info.blocks(twin)[0], get_patch_state(twin).tracker
 
         def run(b=twin_block, t=tracker):
             with t.scope(layout):
                 return b(x_full)
 
-        fns[f"vca:{n}"] = run
+        fns[name] = run
     times = time_interleaved(fns, device, warmup=1, repeats=repeats)
     seconds = {name: median(samples) for name, samples in times.items()}
     softmax = [seconds[f"softmax:{t}"] for t in counts]
     other = max(0.0, seconds["original"] - info.depth * softmax[-1])
-    return LatencyTable(seconds["original"], other, counts, softmax, {n: seconds[f"vca:{n}"] for n in contrast_tokens})
+    return LatencyTable(
+        seconds["original"], other, counts, softmax, {n: seconds[f"vca:{n}"] for n in contrast_tokens},
+        {k: seconds[f"mano:{k}"] for k in mano_windows},
+    )  # fmt: skip

@@ -21,6 +21,7 @@ from .sensitivity import Sensitivity, measure_sensitivity
 
 DEFAULT_CONTRAST_TOKENS = (16, 49)
 DEFAULT_MERGE_FRACTIONS = (0.3, 0.5, 0.7, 0.85, 0.95)
+DEFAULT_MANO_WINDOWS = (7,)
 
 
 @dataclass
@@ -52,10 +53,10 @@ class PlanResult:
             "merging_front": [c.to_dict() for c in self.merging_front],
             "latency_table": self.table.to_dict(),
             "sensitivity": self.sensitivity.to_dict(),
-            "search": "every measured merge schedule (r per block from block j), each with VCA added greedily to the "
-            "blocks before j by latency saved per predicted loss; predicted fidelity adds the measured losses; "
-            "the best predicted plans within the budget and the best merging-only one are then measured on the "
-            "calibration images and the best measured is chosen",
+            "search": "every measured merge schedule (r per block from block j), each with VCA(n) / MANO(k) added "
+            "greedily to the blocks before j by latency saved per predicted loss; predicted fidelity adds the "
+            "measured losses; the best predicted plans within the budget and the best merging-only one are then "
+            "measured on the calibration images and the best measured is chosen",
         }
 
 
@@ -64,13 +65,15 @@ def plan_config(candidate: Candidate, info: ModelInfo, *, calibrate: bool = True
     return MergeConfig(
         schedule=list(candidate.schedule),
         vca_layers=dict(candidate.vca_layers) or None,
+        mano_layers=dict(getattr(candidate, "mano_layers", {})) or None,
         vca={"token_magnitude": True} if calibrate and candidate.vca_layers else {},
         expect=info.expect(),
     )
 
 
 def apply_plan(model: nn.Module, config: MergeConfig, calibration: torch.Tensor | None = None) -> nn.Module:
-    """Patch `model` with the plan, in place; calibrate its VCA blocks on `calibration` images when given."""
+    """Patch `model` with the plan, in place; calibrate its VCA blocks on `calibration` images when given (MANO
+    blocks keep their preserving init)."""
     patch_model(model, config)
     if calibration is not None and config.vca_layers:
         calibrate_model(model, [calibration])
@@ -168,6 +171,7 @@ def plan_model(
     contrast_tokens: Sequence[int] = DEFAULT_CONTRAST_TOKENS,
     merge_starts: Sequence[int] | None = None,
     merge_fractions: Sequence[float] = DEFAULT_MERGE_FRACTIONS,
+    mano_windows: Sequence[int] = DEFAULT_MANO_WINDOWS,
     calibrate: bool = True,
     objective: str = "both",
     eval_images: torch.Tensor | None = None,
@@ -178,7 +182,10 @@ def plan_model(
     """Plan `model` (unpatched, eval mode) at `resolution` to run within `budget` × the original's latency.
 
     `images` (calibration, [B, 3, resolution, resolution]) measure each candidate's loss and calibrate VCA;
-    the chosen plan is then applied to a copy and measured on `eval_images` (default: `images`).
+    the chosen plan is then applied to a copy and measured on `eval_images` (default: `images`). `contrast_tokens`
+    (VCA n) and `mano_windows` (MANO k) are the per-block options besides softmax; empty: not an option. A MANO
+    window whose measured block is not faster than a softmax block at the full grid is timed only (the search could
+    never pick it), so its sensitivity is not measured.
     """
     log = log or (lambda message: None)
     if not budget > 0:
@@ -187,17 +194,23 @@ def plan_model(
         raise PlanError(f"calibration images must be [B, 3, {resolution}, {resolution}], got {tuple(images.shape)}")
     if any(not 0 < f < 1 for f in merge_fractions):
         raise PlanError(f"merge fractions must lie in (0, 1), got {list(merge_fractions)}")
+    if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in mano_windows):
+        raise PlanError(f"MANO windows must be positive integers (window side k), got {list(mano_windows)}")
     info = model_info(model)
     info.grid(resolution)
     starts = sorted(set(merge_starts if merge_starts is not None else range(0, info.depth, max(1, info.depth // 4))))
     if any(not 0 <= j < info.depth for j in starts):
         raise PlanError(f"merge starts must be blocks 0..{info.depth - 1}, got {starts}")
     log(f"timing blocks at {resolution} px ({info.tokens(resolution)} tokens)")
-    table = measure_latency_table(model, info, resolution, contrast_tokens, repeats=repeats)
+    table = measure_latency_table(model, info, resolution, contrast_tokens, mano_windows=mano_windows, repeats=repeats)
+    windows = table.faster_mano_windows()
+    for k in sorted(set(mano_windows) - set(windows)):
+        log(f"  MANO k={k}: a block takes {1e3 * table.mano_s[k]:.1f} ms, softmax {1e3 * table.softmax_s[-1]:.1f} ms "
+            "at the full grid; never faster here, so not an option")  # fmt: skip
     log(f"measuring sensitivity on {len(images)} images")
     sens = measure_sensitivity(
         model, info, images, resolution, contrast_tokens=contrast_tokens, merge_starts=starts,
-        merge_fractions=merge_fractions, calibrate=calibrate, log=log,
+        merge_fractions=merge_fractions, mano_windows=windows, calibrate=calibrate, log=log,
     )  # fmt: skip
     cands = candidates(info, resolution, table, sens, objective)
     log("measuring the best predicted plans on the calibration images")

@@ -1,9 +1,10 @@
-"""The plan search: every measured merge schedule, each with a greedy VCA assignment of the blocks before it.
+"""The plan search: every measured merge schedule, each with a greedy VCA / MANO assignment of the blocks before it.
 
 Predicted fidelity is additive in the measured losses (1 − cosine) of the parts, each measured alone; predicted
 latency comes from the measured latency table. For each merge schedule (none, or r per block from block j on),
-VCA(n) is added greedily to blocks before j, best latency saved per predicted loss first (switching a block to
-a smaller n counts as a move too); every step is a candidate. `choose` takes the best predicted objective within
+each block before j is softmax, VCA(n) or MANO(k); moves are made greedily, best latency saved per predicted loss
+first: switching a block to VCA(n) or MANO(k) (from softmax, from the other kind, or VCA to a smaller n), each
+move saving predicted latency; every step is a candidate. `choose` takes the best predicted objective within
 the budget (`planner.choose_measured` then measures the best few and keeps the best measured); the Pareto front is
 over (predicted latency ratio, predicted objective).
 """
@@ -24,6 +25,7 @@ OBJECTIVES = ("cls", "patch", "both")
 class Candidate:
     schedule: list[int]  # r per block
     vca_layers: dict[int, int] = field(default_factory=dict)
+    mano_layers: dict[int, int] = field(default_factory=dict, kw_only=True)  # {block: window k}
     latency: float = 1.0  # predicted ratio to the original
     macs_ratio: float = 1.0  # FLOP model's ratio to the original
     cls: float = 1.0  # predicted CLS cosine
@@ -34,13 +36,15 @@ class Candidate:
 
     @property
     def merging_only(self) -> bool:
-        return not self.vca_layers
+        return not self.vca_layers and not self.mano_layers
 
     def describe(self) -> str:
         merging = [(i, r) for i, r in enumerate(self.schedule) if r]
         parts = []
         if self.vca_layers:
             parts.append("VCA " + ", ".join(f"{i}:n={n}" for i, n in sorted(self.vca_layers.items())))
+        if self.mano_layers:
+            parts.append("MANO " + ", ".join(f"{i}:k={k}" for i, k in sorted(self.mano_layers.items())))
         if merging:
             parts.append(f"merge r={merging[0][1]} from block {merging[0][0]}")
         return "; ".join(parts) or "original (softmax everywhere)"
@@ -49,6 +53,7 @@ class Candidate:
         return {
             "schedule": self.schedule,
             "vca_layers": self.vca_layers,
+            "mano_layers": self.mano_layers,
             "predicted_latency_ratio": self.latency,
             "macs_ratio": self.macs_ratio,
             "predicted_cls_cosine": self.cls,
@@ -57,20 +62,41 @@ class Candidate:
         }
 
 
-def _candidate(info, resolution, table, sens, schedule, vca, merge_key, base_macs) -> Candidate:
+Option = tuple[str, int]  # ("vca", n) or ("mano", k)
+
+
+def _candidate(info, resolution, table, sens, schedule, options: dict[int, Option], merge_key, base_macs) -> Candidate:
     cls_loss = sens.merge[merge_key].cls if merge_key else 0.0
     patch_loss = sens.merge[merge_key].patch if merge_key else 0.0
-    for block, n in vca.items():
-        cls_loss += sens.vca[(block, n)].cls
-        patch_loss += sens.vca[(block, n)].patch
+    measured = {"vca": sens.vca, "mano": sens.mano}
+    for block, (kind, value) in options.items():
+        cls_loss += measured[kind][(block, value)].cls
+        patch_loss += measured[kind][(block, value)].patch
+    vca = {b: v for b, (kind, v) in sorted(options.items()) if kind == "vca"}
+    mano = {b: v for b, (kind, v) in sorted(options.items()) if kind == "mano"}
     return Candidate(
         schedule=list(schedule),
-        vca_layers=dict(sorted(vca.items())),
-        latency=table.ratio(info, resolution, schedule, vca),
-        macs_ratio=plan_macs(info, resolution, schedule, vca) / base_macs,
+        vca_layers=vca,
+        mano_layers=mano,
+        latency=table.ratio(info, resolution, schedule, vca, mano),
+        macs_ratio=plan_macs(info, resolution, schedule, vca, mano) / base_macs,
         cls=1.0 - cls_loss,
         patch=1.0 - patch_loss,
     )
+
+
+def _moves(block: int, current: Option | None, options: Sequence[Option], sens: Sensitivity) -> list[Option]:
+    """The options block `block` may switch to from `current` (None: softmax): any measured one of another kind,
+    or VCA with fewer contrast tokens (the search also needs each move to save predicted latency)."""
+    measured = {"vca": sens.vca, "mano": sens.mano}
+    out = []
+    for kind, value in options:
+        if (block, value) not in measured[kind] or current == (kind, value):
+            continue
+        if current is not None and current[0] == kind == "vca" and value >= current[1]:
+            continue
+        out.append((kind, value))
+    return out
 
 
 def candidates(
@@ -80,32 +106,32 @@ def candidates(
     if objective not in OBJECTIVES:
         raise PlanError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     base_macs = plan_macs(info, resolution, [], {})
-    ns = sorted({n for _, n in sens.vca})
+    options: list[Option] = [("vca", n) for n in sorted({n for _, n in sens.vca})]
+    options += [("mano", k) for k in sorted({k for _, k in sens.mano})]
     schedules: list[tuple[list[int], tuple[int, int] | None, int]] = [([0] * info.depth, None, info.depth)]
     for start, r in sorted(sens.merge):
         schedules.append(([0] * start + [r] * (info.depth - start), (start, r), start))
     out = []
     for schedule, key, first in schedules:
-        vca: dict[int, int] = {}
-        current = _candidate(info, resolution, table, sens, schedule, vca, key, base_macs)
+        chosen: dict[int, Option] = {}
+        current = _candidate(info, resolution, table, sens, schedule, chosen, key, base_macs)
         out.append(current)
         while True:
-            best, best_value = None, None
+            best, best_value, best_options = None, None, chosen
             for block in range(first):
-                for n in ns:
-                    if (block, n) not in sens.vca or (block in vca and n >= vca[block]):
-                        continue
-                    trial = _candidate(info, resolution, table, sens, schedule, {**vca, block: n}, key, base_macs)
+                for option in _moves(block, chosen.get(block), options, sens):
+                    trial_options = {**chosen, block: option}
+                    trial = _candidate(info, resolution, table, sens, schedule, trial_options, key, base_macs)
                     saved = current.latency - trial.latency
                     lost = current.score(objective) - trial.score(objective)
                     if saved <= 0:
                         continue
                     value = saved / max(lost, 1e-6)
                     if best_value is None or value > best_value:
-                        best, best_value = trial, value
+                        best, best_value, best_options = trial, value, trial_options
             if best is None:
                 break
-            vca, current = best.vca_layers, best
+            chosen, current = best_options, best
             out.append(current)
     return out
 

@@ -1,6 +1,7 @@
 """Per-layer sensitivity, measured on calibration images: the fidelity cost of each candidate change alone.
 
 * VCA(n) in one block (calibrated on the same images when `calibrate`), every other block softmax;
+* MANO(k) in one block (window k, its preserving init: training-free), every other block softmax;
 * merging r tokens per block from block j to the last (the ToMe schedule, started at depth j).
 
 Each is run from the original's hidden state at the first block it changes (teacher-forced up to there), and
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..config import VCAConfig
+from ..config import MANOConfig, VCAConfig
 from ..merging import MergeConfig
 from ..real_weights.measure import fidelity
 from ..recovery.calibrate import calibrate as calibrate_model
@@ -35,15 +36,18 @@ class Loss:
 
 @dataclass
 class Sensitivity:
-    """{(block, n): Loss} of VCA alone in one block; {(start, r): Loss} of merging r per block from `start` on."""
+    """{(block, n): Loss} of VCA alone in one block; {(start, r): Loss} of merging r per block from `start` on;
+    {(block, k): Loss} of MANO with window k alone in one block."""
 
     vca: dict[tuple[int, int], Loss] = field(default_factory=dict)
     merge: dict[tuple[int, int], Loss] = field(default_factory=dict)
+    mano: dict[tuple[int, int], Loss] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
             "vca": [{"block": b, "n": n, **loss.to_dict()} for (b, n), loss in sorted(self.vca.items())],
             "merge": [{"start": j, "r": r, **loss.to_dict()} for (j, r), loss in sorted(self.merge.items())],
+            "mano": [{"block": b, "window": k, **loss.to_dict()} for (b, k), loss in sorted(self.mano.items())],
         }
 
 
@@ -69,6 +73,7 @@ def measure_sensitivity(
     contrast_tokens: Sequence[int],
     merge_starts: Sequence[int],
     merge_fractions: Sequence[float],
+    mano_windows: Sequence[int] = (),
     calibrate: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> Sensitivity:
@@ -107,4 +112,13 @@ def measure_sensitivity(
                 unpatch_model(model)
         alone = [round(1 - result.vca[(b, n)].cls, 4) for b in range(info.depth)]
         log(f"  VCA n={n}: CLS cosine alone per block {alone}")
+    for k in mano_windows:
+        for block in range(info.depth):
+            patch_model(model, MANOConfig(window=k, layers=[block]))
+            try:
+                result.mano[(block, k)] = _loss(reference, run_from(model, info, block, states[block], resolution))
+            finally:
+                unpatch_model(model)
+        alone = [round(1 - result.mano[(b, k)].cls, 4) for b in range(info.depth)]
+        log(f"  MANO k={k}: CLS cosine alone per block {alone}")
     return result
