@@ -175,3 +175,31 @@ def test_bf16_autocast_is_finite_and_close():
         out = module(x, layout=layout)
     assert torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 6 * 2.0**-8  # measured: 2.4 bf16 unit round-offs
+
+
+@pytest.mark.parametrize("up", ["conv", "nearest"])
+def test_zero_up_path_skips_the_coarse_levels_exactly_and_runs_them_once_trained(up, monkeypatch):
+    """Preserve init (U = 0 / γ = 0): inference skips the coarse levels; the output is still the float64 reference's.
+    A gradient for U, or a U that is no longer zero, brings them back."""
+    module = MultipoleAttention(24, 3, window=2, rate=2, up=up).double()
+    with torch.no_grad():
+        module.down.weight.normal_(0.0, 0.3) if module.down is not None else None
+    layout, x = TokenLayout(1, (8, 8)), torch.randn(2, 1 + 64, 24, dtype=torch.float64)
+    calls = []
+    full = MultipoleAttention.coarse_correction
+    monkeypatch.setattr(MultipoleAttention, "coarse_correction", lambda self, *a: calls.append(1) or full(self, *a))
+    expected = reference_mano(module, x, 1, (8, 8))
+    with torch.no_grad():
+        got = module(x, layout=layout)
+    assert calls == [] and (got - expected).norm() / expected.norm() < 1e-12
+
+    module(x, layout=layout).sum().backward()  # U trainable under autograd: the coarse levels run for its gradient
+    trainable = module.up.weight if up == "conv" else module.up_gain
+    assert calls == [1] and trainable.grad.abs().sum() > 0
+
+    with torch.no_grad():  # a trained (non-zero) U: the coarse levels run, and match the reference again
+        trainable.add_(0.1)
+        expected = reference_mano(module, x, 1, (8, 8))
+        got = module(x, layout=layout)
+    assert calls == [1, 1] and (got - expected).norm() / expected.norm() < 1e-10
+    assert (got - module.requires_grad_(False)(x, layout=layout)).abs().max() == 0  # frozen U: same path, same output

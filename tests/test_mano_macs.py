@@ -17,15 +17,22 @@ from vca_patch.config import MANOConfig
         (1, (16, 16), 4, "avg", "nearest", "separate"),
     ],
 )
-def test_analytic_macs_equal_counted_macs(P, grid, window, down, up, prefix):
-    """The formula plus the level-0 qkv/proj equals torch's FLOP counter (math SDPA, so attention is counted)."""
+@pytest.mark.parametrize("trained", [True, False])
+def test_analytic_macs_equal_counted_macs(P, grid, window, down, up, prefix, trained):
+    """The formula plus the level-0 qkv/proj equals torch's FLOP counter (math SDPA, so attention is counted); with
+    the preserve init's U = 0 the layer skips its coarse levels at inference, and `coarse=False` counts that."""
     module = MultipoleAttention(64, 4, window=window, down=down, up=up, prefix=prefix)
+    if trained:
+        module.reset_mano_parameters("multipole")
     N = P + grid[0] * grid[1]
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH), torch.no_grad():
         module(torch.randn(1, N, 64), layout=TokenLayout(P, grid))
     level0_linear = N * 4 * 64 * 64
-    expected = mano_attention_macs(P, grid, 64, window=window, down=down, up=up, prefix=prefix) + level0_linear
+    settings = {"window": window, "down": down, "up": up, "prefix": prefix, "coarse": trained}
+    expected = mano_attention_macs(P, grid, 64, **settings) + level0_linear
     assert counter.get_total_flops() / 2 == expected
+    if not trained:  # the skipped levels are a real share of the full count
+        assert mano_attention_macs(P, grid, 64, **{**settings, "coarse": True}) > 1.05 * (expected - level0_linear)
 
 
 def test_macs_are_linear_in_tokens():

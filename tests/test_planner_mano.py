@@ -173,7 +173,7 @@ def test_costs_count_and_time_mano_blocks():
     info = _info()
     counts = token_counts(info, RES, [0, 0, 3, 3])
     softmax = sum(n * 12 * 64 * 64 + 2 * n * n * 64 for n in counts)
-    mano = mano_attention_macs(1, (4, 4), 64, window=2)
+    mano = mano_attention_macs(1, (4, 4), 64, window=2, coarse=False)  # training-free: U = 0, no coarse levels
     expected = softmax - 2 * 17 * 17 * 64 + mano
     assert plan_macs(info, RES, [0, 0, 3, 3], {}, {1: 2}) == pytest.approx(expected)
     table = LatencyTable(1.0, 0.2, [3, 17], [0.05, 0.2], vca_s={4: 0.1}, mano_s={2: 0.12})

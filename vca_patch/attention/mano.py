@@ -103,6 +103,7 @@ class MultipoleAttention(CarriedAttentionLayer):
         self.down = nn.Conv2d(C, C, rate, stride=rate, bias=False, **dd) if down == "conv" else None
         self.up = nn.ConvTranspose2d(C_out, C_out, rate, stride=rate, bias=False, **dd) if up == "conv" else None
         self.up_gain = nn.Parameter(torch.zeros(C_out, **dd)) if up == "nearest" else None
+        self._vanish_cache: tuple[tuple[int, int], bool] | None = None  # ((U address, version), U == 0)
         self.reset_mano_parameters("preserve")
 
     @torch.no_grad()
@@ -218,12 +219,26 @@ class MultipoleAttention(CarriedAttentionLayer):
         if P:
             o = torch.cat([F.scaled_dot_product_attention(q[:, :, :P], k, v, scale=self.scale), o], dim=2)
         y = self._project(o, x)  # [B, N, C']
-        if len(levels) == 1:
+        if len(levels) == 1 or self.coarse_levels_vanish():
             return record_layout(self.proj_drop(y), layout)
 
         correction = self.coarse_correction(x[:, P:].transpose(1, 2).reshape(B, C, H, W), levels)  # [B, C', H, W]
         y = torch.cat([y[:, :P], y[:, P:] + grid_to_tokens(correction)], dim=1)
         return record_layout(self.proj_drop(y), layout)  # for a recomputation under gradient checkpointing
+
+    def coarse_levels_vanish(self) -> bool:
+        """Whether the coarse levels add exactly nothing and no gradient needs them: U = 0 (γ = 0 with nearest U),
+        as after the "preserve" init, with U (γ) frozen or autograd off. The forward then skips them (half a
+        block's time): the output and every gradient are those of the full V-cycle."""
+        multiplier = self.up_gain if self.up is None else self.up.weight
+        if (torch.is_grad_enabled() and multiplier.requires_grad) or multiplier.device.type == "meta":
+            return False
+        if torch.compiler.is_compiling():  # traced: no cache; the full V-cycle is traced (exactly the same output)
+            return False
+        key = (multiplier.data_ptr(), multiplier._version)  # in-place updates bump the version
+        if self._vanish_cache is None or self._vanish_cache[0] != key:
+            self._vanish_cache = (key, not bool(multiplier.detach().any()))
+        return self._vanish_cache[1]
 
     def coarse_correction(self, x_level: torch.Tensor, levels: list[Level]) -> torch.Tensor:
         """The coarse levels' V-cycle term w₀·U(Z¹) (times γ with nearest U) on the level-0 grid: x [B, C, H, W] ->

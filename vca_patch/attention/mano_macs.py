@@ -11,7 +11,8 @@ really runs:
                              + n_ℓ·C²·r² per conv          (down conv, up transposed conv; 0 for avg/nearest)
 
 T = window tokens, nW = windows of the padded level; norms, softmax, pooling and V-cycle sums are
-O(N·C) and ignored. FLOPs = 2 × MACs.
+O(N·C) and ignored. FLOPs = 2 × MACs. `coarse=False` counts a layer whose coarse levels vanish (U = 0 or γ = 0, the
+"preserve" init, at inference: `MultipoleAttention.coarse_levels_vanish`), which skips them.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ def mano_attention_macs(
     prefix: str = "global",
     pad: bool = True,
     attn_dim: int | None = None,
+    coarse: bool = True,
 ) -> float:
-    """MACs of one MANO layer on P prefix tokens + an H×W grid with C channels (attn_dim: M·d, default C)."""
+    """MACs of one MANO layer on P prefix tokens + an H×W grid with C channels (attn_dim: M·d, default C); coarse:
+    whether the coarse levels run (False: skipped, as with U = 0 at inference)."""
     C, A, P = dim, attn_dim or dim, num_prefix_tokens
     plan = plan_levels(tuple(grid), window, rate, levels, pad)
     N = P + plan[0].num_tokens
@@ -43,7 +46,7 @@ def mano_attention_macs(
     joined = P if prefix == "global" else 0
     macs = 2.0 * P * N * A + 2.0 * level0.num_windows * level0.window_tokens * (level0.window_tokens + joined) * A
     convs = (down == "conv") + (up == "conv")
-    for level in plan[1:]:
+    for level in plan[1:] if coarse else ():
         n, T = level.num_tokens, level.window_tokens
         macs += 4.0 * n * C * A + 2.0 * level.num_windows * T * T * A + convs * n * C * C * rate * rate
     return macs

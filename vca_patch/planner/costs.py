@@ -54,7 +54,9 @@ def plan_macs(
             shape = AttentionShape(info.num_prefix_tokens, grid, info.dim, info.num_heads)
             total += vca_attention_macs(shape, vca_layers[i], exact_prefix=True)
         elif i in mano_layers:
-            total += mano_attention_macs(info.num_prefix_tokens, grid, info.dim, window=mano_layers[i])
+            total += mano_attention_macs(  # training-free MANO: U = 0, the coarse levels skipped
+                info.num_prefix_tokens, grid, info.dim, window=mano_layers[i], coarse=False
+            )
         else:
             total += 2.0 * tokens**2 * info.dim
     return total
