@@ -33,8 +33,9 @@ from vca_patch.planner.sensitivity import measure_sensitivity, merge_rates
 from vca_patch.real_weights.measure import fidelity, latency, tokens
 
 RESULTS = Path(__file__).parent / "results"
-FULL = {"calibration": 8, "eval_crops": 6, "budgets": [0.4, 0.5, 0.6, 0.7, 0.8], "ns": [16, 49], "repeats": 3}
-QUICK = {"calibration": 2, "eval_crops": 0, "budgets": [0.9, 1.5], "ns": [4], "repeats": 1}
+FULL = {"calibration": 8, "eval_crops": 6, "budgets": [0.4, 0.5, 0.6, 0.7, 0.8], "ns": [16, 49], "repeats": 3,
+        "mano_windows": [7]}  # fmt: skip
+QUICK = {"calibration": 2, "eval_crops": 0, "budgets": [0.9, 1.5], "ns": [4], "repeats": 1, "mano_windows": [2]}
 MERGE_FRACTIONS = (0.3, 0.5, 0.7, 0.85, 0.95)
 
 
@@ -61,11 +62,14 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
     """Merging alone at several r and the planner at each budget, measured side by side at `size` px."""
     info = model_info(model)
     started = time.perf_counter()
-    table = measure_latency_table(model, info, size, settings["ns"], repeats=settings["repeats"])
+    mano_windows, repeats = settings["mano_windows"], settings["repeats"]
+    table = measure_latency_table(model, info, size, settings["ns"], mano_windows=mano_windows, repeats=repeats)
+    windows = table.faster_mano_windows()  # as `plan_model`: a MANO block slower than softmax could never be chosen
+    log(f"  MANO windows faster than a softmax block here: {windows} of {mano_windows}")
     starts = sorted(set(range(0, info.depth, max(1, info.depth // 4))))
     sens = measure_sensitivity(
         model, info, calib, size, contrast_tokens=settings["ns"], merge_starts=starts, merge_fractions=MERGE_FRACTIONS,
-        log=log,
+        mano_windows=windows, log=log,
     )  # fmt: skip
     cands = candidates(info, size, table, sens, "both")
     plan_seconds = time.perf_counter() - started
@@ -167,12 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration", type=int, default=None, help="calibration crops (default 8)")
     parser.add_argument("--eval-crops", type=int, default=None, help="held-out crops besides the 10 whole photos")
     parser.add_argument("--ns", type=int, nargs="*", default=None, help="VCA contrast-token counts (default 16 49)")
+    parser.add_argument("--mano-windows", type=int, nargs="*", default=None, help="MANO windows k (default 7)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for the JSON / PNG / MD")
     args = parser.parse_args(argv)
     settings = dict(QUICK if args.quick else FULL)
     if args.budgets:
         settings["budgets"] = args.budgets
-    for key in ("calibration", "eval_crops", "ns"):
+    for key in ("calibration", "eval_crops", "ns", "mano_windows"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     sizes = args.sizes or ([56] if args.quick else [224, 518])
