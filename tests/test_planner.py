@@ -289,7 +289,7 @@ def test_the_choice_is_the_best_measured_finalist_never_worse_than_merging_alone
     measured = {"VCA 0:n=4, 1:n=4": 0.90, "VCA 0:n=4": 0.93, "merge r=2 from block 1": 0.97}
     calls = []
 
-    def fake_fidelity(model, config, images, reference, calibrate):
+    def fake_fidelity(model, config, images, reference, calibration):
         name = Candidate(config.schedule, config.vca_layers or {}).describe()
         calls.append(name)
         return {"cls_cosine": measured[name], "patch_token_cosine": measured[name]}
@@ -309,3 +309,36 @@ def test_the_choice_is_the_best_measured_finalist_never_worse_than_merging_alone
         chosen, _ = choose_measured(model, info, cands, budget, "both", images, top=2, measured=kept)
         assert chosen is cands[2]
     assert sorted(calls) == sorted(measured) and sorted(kept) == sorted(measured)
+
+
+def test_finalists_are_calibrated_and_measured_on_different_images(monkeypatch):
+    """A plan's VCA blocks are never scored on the images they were calibrated on (that flatters VCA plans)."""
+    from vca_patch.planner import planner as planner_module
+
+    model = _tiny()
+    info = model_info(model)
+    cands = [
+        Candidate([0, 0, 0, 0], {0: 4}, latency=0.6, cls=0.99, patch=0.99),
+        Candidate([0, 2, 2, 2], {}, latency=0.65, cls=0.95, patch=0.95),
+    ]
+    seen = []
+    real = planner_module.apply_plan
+
+    def recording(model, config, calibration=None):
+        seen.append(("calibrated", None if calibration is None else {t.sum().item() for t in calibration}))
+        return real(model, config, calibration)
+
+    monkeypatch.setattr(planner_module, "apply_plan", recording)
+    measured_on = []
+    real_fidelity = planner_module.fidelity
+    monkeypatch.setattr(
+        planner_module, "fidelity", lambda ref, got: measured_on.append(len(ref)) or real_fidelity(ref, got)
+    )
+    images = torch.randn(4, 3, RES, RES)
+    choose_measured(model, info, cands, 0.8, "both", images)
+    fit = {t.sum().item() for t in images[0::2]}
+    assert ("calibrated", fit) in seen and ("calibrated", None) in seen  # the VCA plan on the even images only
+    assert measured_on == [2, 2]  # both plans scored on the two odd images
+    assert planner_module.split_for_measurement(images, calibrate=False)[1] is images
+    one = images[:1]
+    assert planner_module.split_for_measurement(one, calibrate=True) == (one, one)  # too few to split
