@@ -71,6 +71,7 @@ def test_convert_real_dinov2_at_any_size_with_grown_tokens_then_reload(hf_folder
     assert result.exit_code == 0, result.output
     assert "12 / 0" in result.output
     assert "Calibration gave more contrast tokens to block" in result.output  # 0.05: every layer stays above it
+    assert "contrast_tokens=64" in result.output and "contrast_tokens=49" not in result.output  # the sites as saved
     # Measured at 112 px on the 10 held-out photos (not the 518 px of the config): CLS cosine 0.93.
     assert _line_value(result.output, "cls cosine") > 0.88
 

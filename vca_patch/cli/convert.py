@@ -16,7 +16,7 @@ from ..fidelity import compare_outputs, probe_batch
 from ..io import OutputExistsError, save_pretrained
 from ..io.atomic import UnsafeOutputError, check_output_dir, check_output_outside_inputs, foreign_entries
 from ..io.checkpoint import CARD_NAME, CONFIG_NAME, FORMS
-from ..surgery import PatchError, patch_model
+from ..surgery import PatchError, get_patch_state, patch_model
 from .common import (
     DEVICE_HELP,
     DTYPE_HELP,
@@ -245,6 +245,7 @@ def convert(
                 eval_split=eval_split,
                 grow_tokens=grow_tokens,
             )
+        report = get_patch_state(net).report  # --grow-tokens re-patched the grown blocks: their n and +params
     with console.status(f"Saving to {output}..."):
         save_pretrained(
             net,
