@@ -342,3 +342,30 @@ def test_finalists_are_calibrated_and_measured_on_different_images(monkeypatch):
     assert planner_module.split_for_measurement(images, calibrate=False)[1] is images
     one = images[:1]
     assert planner_module.split_for_measurement(one, calibrate=True) == (one, one)  # too few to split
+
+
+def test_sensitivity_calibrates_vca_on_half_the_images_and_scores_every_candidate_on_the_other_half(monkeypatch):
+    from vca_patch.planner import sensitivity as sensitivity_module
+
+    model = _tiny(depth=2)
+    info = model_info(model)
+    images = torch.randn(4, 3, RES, RES)
+    seen: dict[str, list] = {"captured": [], "scored": []}
+    real_capture, real_inputs = sensitivity_module.capture_original_layers, sensitivity_module.block_inputs
+
+    def capture(model, batches, *args, **kwargs):
+        seen["captured"] += [b.sum().item() for batch in batches for b in batch]
+        return real_capture(model, batches, *args, **kwargs)
+
+    def inputs(model, info, x):
+        seen["scored"] += [b.sum().item() for b in x]
+        return real_inputs(model, info, x)
+
+    monkeypatch.setattr(sensitivity_module, "capture_original_layers", capture)
+    monkeypatch.setattr(sensitivity_module, "block_inputs", inputs)
+    sens = sensitivity_module.measure_sensitivity(
+        model, info, images, RES, contrast_tokens=[4], merge_starts=[0], merge_fractions=[0.5], mano_windows=[2]
+    )
+    assert seen["captured"] == [b.sum().item() for b in images[0::2]]
+    assert seen["scored"] == [b.sum().item() for b in images[1::2]]
+    assert set(sens.vca) == {(0, 4), (1, 4)} and set(sens.mano) == {(0, 2), (1, 2)} and sens.merge

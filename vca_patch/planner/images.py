@@ -49,3 +49,15 @@ def load_images(
         tensor = tensor[:, top : top + size, left : left + size]
         out.append((tensor - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1))
     return torch.stack(out)
+
+
+def split_for_measurement(images: torch.Tensor, calibrate: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(calibration images, measurement images): with calibration and at least 2 images, alternate images go to
+    each, so a plan's VCA blocks are never scored on the images they were calibrated on (which flatters them: on
+    real DINOv2 weights at 518 px a three-VCA plan scored 0.985 CLS on its own 4 calibration crops, 0.937 held out);
+    otherwise (None or all images, all images)."""
+    if not calibrate:
+        return None, images
+    if len(images) < 2:
+        return images, images
+    return images[0::2], images[1::2]

@@ -15,6 +15,7 @@ from ..real_weights.measure import fidelity, latency, tokens
 from ..recovery.calibrate import calibrate as calibrate_model
 from ..surgery import patch_model
 from .costs import LatencyTable, measure_latency_table
+from .images import split_for_measurement
 from .model_info import ModelInfo, PlanError, model_info
 from .search import Candidate, candidates, choose, pareto
 from .sensitivity import Sensitivity, measure_sensitivity
@@ -114,18 +115,6 @@ def plan_fidelity(
     `calibration` when given), on `images` against `reference` (their original tokens; no timing)."""
     twin = apply_plan(copy.deepcopy(model), config, calibration if config.vca_layers else None)
     return fidelity(reference, tokens(twin, images, 8))
-
-
-def split_for_measurement(images: torch.Tensor, calibrate: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(calibration images, measurement images): with calibration and at least 2 images, alternate images go to
-    each, so a plan's VCA blocks are never scored on the images they were calibrated on (which flatters them: on
-    real DINOv2 weights at 518 px a three-VCA plan scored 0.985 CLS on its own 4 calibration crops, 0.937 held out);
-    otherwise (None or all images, all images)."""
-    if not calibrate:
-        return None, images
-    if len(images) < 2:
-        return images, images
-    return images[0::2], images[1::2]
 
 
 def measured_score(scores: dict[str, float], objective: str) -> float:

@@ -22,6 +22,7 @@ from ..real_weights.measure import fidelity
 from ..recovery.calibrate import calibrate as calibrate_model
 from ..recovery.capture import capture_original_layers
 from ..surgery import get_patch_state, patch_model, unpatch_model
+from .images import split_for_measurement
 from .model_info import ModelInfo, block_inputs, run_from
 
 
@@ -77,8 +78,10 @@ def measure_sensitivity(
     calibrate: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> Sensitivity:
-    """Measure every candidate alone; the model is left unpatched as it came."""
+    """Measure every candidate alone; the model is left unpatched as it came. With calibration, VCA blocks are
+    calibrated on every other image and every candidate is scored on the rest (`split_for_measurement`)."""
     log = log or (lambda message: None)
+    fit, images = split_for_measurement(images, calibrate)
     states = block_inputs(model, info, images)
     reference = model.get_submodule(info.norm_path)(states[-1])
     result = Sensitivity()
@@ -97,7 +100,7 @@ def measure_sensitivity(
         patch_model(model, VCAConfig(contrast_tokens=contrast_tokens[0], token_magnitude=True))
         try:
             paths = {site.layer_index: site.path for site in get_patch_state(model).report.patched}
-            captures = capture_original_layers(model, [images])
+            captures = capture_original_layers(model, [fit])
         finally:
             unpatch_model(model)
     for n in contrast_tokens:
@@ -106,7 +109,7 @@ def measure_sensitivity(
             try:
                 if calibrate:
                     with torch.enable_grad():
-                        calibrate_model(model, [images], captures={paths[block]: captures[paths[block]]})
+                        calibrate_model(model, [fit], captures={paths[block]: captures[paths[block]]})
                 result.vca[(block, n)] = _loss(reference, run_from(model, info, block, states[block], resolution))
             finally:
                 unpatch_model(model)
