@@ -29,7 +29,7 @@ from vca_patch.planner import (
     plan_model,
     save_plan,
 )
-from vca_patch.planner.costs import LatencyTable, plan_macs, token_counts
+from vca_patch.planner.costs import LatencyTable, measure_latency_table, plan_macs, token_counts
 from vca_patch.planner.planner import apply_plan
 from vca_patch.planner.sensitivity import Loss, Sensitivity
 
@@ -369,3 +369,25 @@ def test_sensitivity_calibrates_vca_on_half_the_images_and_scores_every_candidat
     assert seen["captured"] == [b.sum().item() for b in images[0::2]]
     assert seen["scored"] == [b.sum().item() for b in images[1::2]]
     assert set(sens.vca) == {(0, 4), (1, 4)} and set(sens.mano) == {(0, 2), (1, 2)} and sens.merge
+
+
+def test_latency_model_charges_the_merging_overhead_to_merging_blocks_only():
+    """A merging block costs a softmax block plus the matching's overhead at its token count (interpolated)."""
+    info = model_info(_tiny())
+    table = LatencyTable(1.0, 0.1, [5, 17], [0.04, 0.1], merge_overhead_s=[0.01, 0.03])
+    counts = token_counts(info, RES, [0, 2, 2, 2])
+    softmax = sum(float(np.interp(t, [5, 17], [0.04, 0.1])) for t in counts)
+    overhead = sum(float(np.interp(t, [5, 17], [0.01, 0.03])) for t in counts[1:])  # blocks 1-3 merge
+    assert table.ratio(info, RES, [0, 2, 2, 2], {}) == pytest.approx(0.1 + softmax + overhead)
+    assert table.ratio(info, RES, [0] * 4, {}) == pytest.approx(0.1 + 4 * 0.1)  # nothing merges: no overhead
+    plain = LatencyTable(1.0, 0.1, [5, 17], [0.04, 0.1])  # not measured: none counted
+    assert plain.ratio(info, RES, [0, 2, 2, 2], {}) == pytest.approx(0.1 + softmax)
+    assert table.to_dict()["merge_overhead_ms"] == {5: pytest.approx(10.0), 17: pytest.approx(30.0)}
+
+
+def test_measured_table_has_a_merging_overhead_per_token_count():
+    model = _tiny()
+    info = model_info(model)
+    table = measure_latency_table(model, info, RES, [4], repeats=1)
+    assert len(table.merge_overhead_s) == len(table.softmax_tokens) and min(table.merge_overhead_s) >= 0
+    assert type(info.blocks(model)[0].attn).__name__ == "Attention"  # the model itself is left as it came

@@ -15,6 +15,7 @@ from ..attention.mano_macs import mano_attention_macs
 from ..bench.flops import AttentionShape, vca_attention_macs
 from ..bench.timing import median, time_interleaved
 from ..config import MANOConfig, TargetConfig, VCAConfig
+from ..merging import MergeConfig
 from ..real_weights.load import final_tokens
 from ..surgery import get_patch_state, patch_model
 from .model_info import ModelInfo
@@ -65,7 +66,9 @@ def plan_macs(
 @dataclass
 class LatencyTable:
     """Measured batch-1 seconds: one softmax block at several token counts, one VCA block per n and one MANO block
-    per window k at the full grid, the rest of the model (embedding, final norm), and the whole original model."""
+    per window k at the full grid, the rest of the model (embedding, final norm), and the whole original model.
+    `merge_overhead_s`: what a merging block costs over a softmax block at each of those token counts (the bipartite
+    matching, the merge and proportional attention); empty: not measured (no overhead counted)."""
 
     original_s: float
     other_s: float
@@ -73,13 +76,19 @@ class LatencyTable:
     softmax_s: list[float]
     vca_s: dict[int, float] = field(default_factory=dict)
     mano_s: dict[int, float] = field(default_factory=dict)
+    merge_overhead_s: list[float] = field(default_factory=list)
 
-    def block_s(self, tokens: int, contrast_tokens: int | None = None, window: int | None = None) -> float:
+    def block_s(
+        self, tokens: int, contrast_tokens: int | None = None, window: int | None = None, merges: bool = False
+    ) -> float:
         if contrast_tokens is not None:
             return self.vca_s[contrast_tokens]
         if window is not None:
             return self.mano_s[window]
-        return float(np.interp(tokens, self.softmax_tokens, self.softmax_s))
+        seconds = float(np.interp(tokens, self.softmax_tokens, self.softmax_s))
+        if merges and self.merge_overhead_s:
+            seconds += float(np.interp(tokens, self.softmax_tokens, self.merge_overhead_s))
+        return seconds
 
     def ratio(
         self,
@@ -92,7 +101,8 @@ class LatencyTable:
         """Predicted latency of a plan over the original's."""
         counts = token_counts(info, resolution, schedule)
         mano_layers = mano_layers or {}
-        blocks = sum(self.block_s(t, vca_layers.get(i), mano_layers.get(i)) for i, t in enumerate(counts))
+        merges = [i < len(schedule) and schedule[i] > 0 for i in range(len(counts))]
+        blocks = sum(self.block_s(t, vca_layers.get(i), mano_layers.get(i), merges[i]) for i, t in enumerate(counts))
         return (self.other_s + blocks) / self.original_s
 
     def faster_mano_windows(self) -> list[int]:
@@ -108,6 +118,7 @@ class LatencyTable:
             "softmax_block_ms": {t: 1e3 * s for t, s in zip(self.softmax_tokens, self.softmax_s, strict=True)},
             "vca_block_ms": {n: 1e3 * s for n, s in self.vca_s.items()},
             "mano_block_ms": {k: 1e3 * s for k, s in self.mano_s.items()},
+            "merge_overhead_ms": {t: 1e3 * s for t, s in zip(self.softmax_tokens, self.merge_overhead_s, strict=False)},
         }
 
 
@@ -121,8 +132,8 @@ def measure_latency_table(
     mano_windows: Sequence[int] = (),
     repeats: int = 3,
 ) -> LatencyTable:
-    """Time the original model, its first block at a few token counts and that block as VCA(n) and as MANO(k) at
-    the full grid."""
+    """Time the original model, its first block at a few token counts (softmax, and merging one token: the
+    matching's overhead) and that block as VCA(n) and as MANO(k) at the full grid."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     full = info.tokens(resolution)
@@ -141,22 +152,26 @@ def measure_latency_table(
     vca = [(f"vca:{n}", VCAConfig(contrast_tokens=n, layers=[0])) for n in contrast_tokens]
     mano = [(f"mano:{k}", MANOConfig(window=k, layers=[0])) for k in mano_windows]
     converted: list[tuple[str, TargetConfig]] = [*vca, *mano]
+    converted.append(("merge", MergeConfig(schedule=[1] + [0] * (info.depth - 1))))  # r = 1: the overhead alone
     for name, config in converted:
         twin = copy.deepcopy(model)
         patch_model(twin, config)
         twins.append(twin)
         twin_block, tracker = info.blocks(twin)[0], get_patch_state(twin).tracker
+        inputs = {f"merge:{t}": torch.randn(1, t, info.dim, device=device, dtype=dtype) for t in counts}
+        for key, x in inputs.items() if name == "merge" else [(name, x_full)]:
 
-        def run(b=twin_block, t=tracker):
-            with t.scope(layout):
-                return b(x_full)
+            def run(b=twin_block, t=tracker, x=x):
+                with t.scope(layout):
+                    return b(x)
 
-        fns[name] = run
+            fns[key] = run
     times = time_interleaved(fns, device, warmup=1, repeats=repeats)
     seconds = {name: median(samples) for name, samples in times.items()}
     softmax = [seconds[f"softmax:{t}"] for t in counts]
     other = max(0.0, seconds["original"] - info.depth * softmax[-1])
+    overhead = [max(0.0, seconds[f"merge:{t}"] - s) for t, s in zip(counts, softmax, strict=True)]
     return LatencyTable(
         seconds["original"], other, counts, softmax, {n: seconds[f"vca:{n}"] for n in contrast_tokens},
-        {k: seconds[f"mano:{k}"] for k in mano_windows},
+        {k: seconds[f"mano:{k}"] for k in mano_windows}, overhead,
     )  # fmt: skip
