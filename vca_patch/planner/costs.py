@@ -140,26 +140,26 @@ def measure_latency_table(
     prefix = info.num_prefix_tokens
     counts = sorted({max(prefix + 2, round(prefix + (full - prefix) * f)) for f in (1, 0.6, 0.35, 0.2, 0.1, 0.04)})
     block = info.blocks(model)[0]
-    fns = {}
-    for tokens in counts:
-        x = torch.randn(1, tokens, info.dim, device=device, dtype=dtype)
-        fns[f"softmax:{tokens}"] = lambda x=x: block(x)
+    inputs = {t: torch.randn(1, t, info.dim, device=device, dtype=dtype) for t in counts}
+    fns = {f"softmax:{t}": (lambda x=x: block(x)) for t, x in inputs.items()}
     image = torch.randn(1, 3, resolution, resolution, device=device, dtype=dtype)
     fns["original"] = lambda: final_tokens(model, image)
     x_full = torch.randn(1, full, info.dim, device=device, dtype=dtype)
     layout = TokenLayout(prefix, info.grid(resolution))
+    # (config of a converted twin, {timing name: input of its first block}); merging one token, timed at every
+    # token count, costs the matching's overhead alone
+    converted: list[tuple[TargetConfig, dict[str, torch.Tensor]]] = [
+        (VCAConfig(contrast_tokens=n, layers=[0]), {f"vca:{n}": x_full}) for n in contrast_tokens
+    ]
+    converted += [(MANOConfig(window=k, layers=[0]), {f"mano:{k}": x_full}) for k in mano_windows]
+    converted.append((MergeConfig(schedule=[1] + [0] * (info.depth - 1)), {f"merge:{t}": x for t, x in inputs.items()}))
     twins = []  # kept alive while timing
-    vca = [(f"vca:{n}", VCAConfig(contrast_tokens=n, layers=[0])) for n in contrast_tokens]
-    mano = [(f"mano:{k}", MANOConfig(window=k, layers=[0])) for k in mano_windows]
-    converted: list[tuple[str, TargetConfig]] = [*vca, *mano]
-    converted.append(("merge", MergeConfig(schedule=[1] + [0] * (info.depth - 1))))  # r = 1: the overhead alone
-    for name, config in converted:
+    for config, timed in converted:
         twin = copy.deepcopy(model)
         patch_model(twin, config)
         twins.append(twin)
         twin_block, tracker = info.blocks(twin)[0], get_patch_state(twin).tracker
-        inputs = {f"merge:{t}": torch.randn(1, t, info.dim, device=device, dtype=dtype) for t in counts}
-        for key, x in inputs.items() if name == "merge" else [(name, x_full)]:
+        for key, x in timed.items():
 
             def run(b=twin_block, t=tracker, x=x):
                 with t.scope(layout):
