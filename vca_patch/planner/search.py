@@ -68,10 +68,9 @@ Option = tuple[str, int]  # ("vca", n) or ("mano", k)
 def _candidate(info, resolution, table, sens, schedule, options: dict[int, Option], merge_key, base_macs) -> Candidate:
     cls_loss = sens.merge[merge_key].cls if merge_key else 0.0
     patch_loss = sens.merge[merge_key].patch if merge_key else 0.0
-    measured = {"vca": sens.vca, "mano": sens.mano}
     for block, (kind, value) in options.items():
-        cls_loss += measured[kind][(block, value)].cls
-        patch_loss += measured[kind][(block, value)].patch
+        cls_loss += sens.of(kind)[(block, value)].cls
+        patch_loss += sens.of(kind)[(block, value)].patch
     vca = {b: v for b, (kind, v) in sorted(options.items()) if kind == "vca"}
     mano = {b: v for b, (kind, v) in sorted(options.items()) if kind == "mano"}
     return Candidate(
@@ -88,10 +87,9 @@ def _candidate(info, resolution, table, sens, schedule, options: dict[int, Optio
 def _moves(block: int, current: Option | None, options: Sequence[Option], sens: Sensitivity) -> list[Option]:
     """The options block `block` may switch to from `current` (None: softmax): any measured one of another kind,
     or VCA with fewer contrast tokens (the search also needs each move to save predicted latency)."""
-    measured = {"vca": sens.vca, "mano": sens.mano}
     out = []
     for kind, value in options:
-        if (block, value) not in measured[kind] or current == (kind, value):
+        if (block, value) not in sens.of(kind) or current == (kind, value):
             continue
         if current is not None and current[0] == kind == "vca" and value >= current[1]:
             continue

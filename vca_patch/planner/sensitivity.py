@@ -44,6 +44,10 @@ class Sensitivity:
     merge: dict[tuple[int, int], Loss] = field(default_factory=dict)
     mano: dict[tuple[int, int], Loss] = field(default_factory=dict)
 
+    def of(self, kind: str) -> dict[tuple[int, int], Loss]:
+        """The per-block losses of one attention kind: "vca" ({(block, n): Loss}) or "mano" ({(block, k): Loss})."""
+        return {"vca": self.vca, "mano": self.mano}[kind]
+
     def to_dict(self) -> dict:
         return {
             "vca": [{"block": b, "n": n, **loss.to_dict()} for (b, n), loss in sorted(self.vca.items())],
