@@ -57,7 +57,8 @@ class PlanResult:
             "search": "every measured merge schedule (r per block from block j), each with VCA(n) / MANO(k) added "
             "greedily to the blocks before j by latency saved per predicted loss; predicted fidelity adds the "
             "measured losses; the best predicted plans within the budget and the best merging-only one are then "
-            "measured on the calibration images and the best measured is chosen",
+            "measured (VCA calibrated on every other calibration image, every plan scored on the rest) and the "
+            "best measured is chosen",
         }
 
 
