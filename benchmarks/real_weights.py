@@ -153,11 +153,8 @@ def run(settings: Settings) -> dict[str, Any]:
     log("original: features")
     reference = tokens(original, evaluation, settings.batch)
     probe = LinearProbe.fit(original, settings.probe_train, settings.probe_test, settings.size, settings.batch)
-    original_acc = probe.accuracy
     first = {"name": "original", "note": "DINOv2 ViT-S/14, softmax attention"}
-    rows: list[dict[str, Any]] = [
-        {**first, "probe_own": original_acc, "probe_original": original_acc, **fidelity(reference, reference)}
-    ]
+    rows: list[dict[str, Any]] = [{**first, **probe.original_scores(), **fidelity(reference, reference)}]
     models: dict[str, nn.Module] = {"original": original}
     for conversion in (c for c in CONVERSIONS if c.name in settings.conversions):
         log(f"{conversion.name}: convert" + (" + calibrate" if conversion.calibration is not None else ""))
