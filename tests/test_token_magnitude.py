@@ -8,6 +8,7 @@ they are not cached and the registry cannot be reached, as in tests/test_real_we
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -188,3 +189,38 @@ def test_token_magnitude_lifts_real_weight_fidelity(dinov2):
     # Measured (CLS, patch): (0.803, 0.683) -> (0.841, 0.748).
     assert after[0] > before[0] + 0.02, (before, after)
     assert after[1] > before[1] + 0.03, (before, after)
+
+
+@pytest.mark.parametrize(
+    ("config", "saved"),
+    [(VCAConfig(), True), (VCAConfig(init="paper"), False), (VCAConfig(token_magnitude=False), False)],
+    ids=["auto-preserve", "auto-paper", "explicit-off"],
+)
+def test_checkpoint_saves_the_built_choice_not_auto(tmp_path, config, saved):
+    """A checkpoint records whether the layers got the gain, so a later default cannot rebuild them otherwise."""
+    model, requested = _tiny_vit(), config.token_magnitude
+    vca_patch.patch_model(model, config)
+    vca_patch.save_pretrained(
+        model, tmp_path / "ckpt", model_args={"img_size": 64, "depth": 3, "num_classes": 0, "global_pool": "token"}
+    )
+    written = json.loads((tmp_path / "ckpt" / "config.json").read_text())["config"]
+    assert written["token_magnitude"] is saved
+    assert config.token_magnitude is requested  # the caller's config is left as it was
+    reloaded = vca_patch.from_pretrained(tmp_path / "ckpt")
+    gains = [m.token_gain is not None for m in reloaded.modules() if isinstance(m, VisualContrastAttention)]
+    assert gains == [saved] * 3
+
+
+def test_hierarchical_stages_save_the_gain_as_off():
+    model = timm.create_model(
+        "swin_tiny_patch4_window7_224",
+        pretrained=False,
+        img_size=64,
+        window_size=4,
+        depths=(1, 1),
+        embed_dim=24,
+        num_heads=(1, 2),
+        num_classes=0,
+    ).eval()
+    vca_patch.patch_model(model, VCAConfig(stage_contrast_tokens=[4, 1]))
+    assert VCAConfig().as_built(model).token_magnitude is False

@@ -72,6 +72,12 @@ class TargetConfig:
         """JSON-safe per-layer facts recorded in reports and checkpoints."""
         return {}
 
+    def as_built(self, model: nn.Module) -> TargetConfig:
+        """This config with its automatic choices replaced by what `model`'s patched layers got, as saved in a
+        checkpoint: reloading then rebuilds the same layers whatever a later version's automatic rule picks.
+        Default: the config itself (no automatic choices)."""
+        return self
+
     def block_edits(self, block: nn.Module, attention_name: str, layer_index: int) -> dict[str, nn.Module]:
         """Replacements for other modules of the site's block (the module holding the attention, under
         `attention_name`): {path inside `block`: new module}, built without changing `block`. Surgery swaps them
@@ -203,6 +209,16 @@ class VCAConfig(TargetConfig):
         if self.token_magnitude and staged:
             raise ConfigError("token_magnitude applies to single-grid ViTs, not hierarchical stages (PVT, Swin)")
         return self.token_magnitude
+
+    def as_built(self, model: nn.Module) -> VCAConfig:
+        if self.token_magnitude is not None:
+            return self
+        gains = {
+            getattr(layer, "token_gain", None) is not None
+            for layer in model.modules()
+            if isinstance(layer, VisualContrastAttention)
+        }
+        return dataclasses.replace(self, token_magnitude=gains.pop()) if len(gains) == 1 else self
 
     def validate(self) -> None:
         super().validate()

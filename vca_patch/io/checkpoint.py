@@ -115,7 +115,7 @@ def checkpoint_metadata(
         "format_version": FORMAT_VERSION,
         "adapter": state.adapter.name,
         "base": base,
-        "config": state.config.to_dict(),
+        "config": state.config.as_built(model).to_dict(),
         "layers": patched_layers(model),
         "params": {"before": state.report.params_before, "after": state.report.params_after},
         "metadata": dict(metadata or {}),

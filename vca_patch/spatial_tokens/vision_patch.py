@@ -31,7 +31,13 @@ def vision_patch_records(model: nn.Module) -> list[dict[str, Any]]:
     for path, module in model.named_modules():
         state = get_patch_state(module)
         if state is not None:
-            records.append({"path": path, "config": state.config.to_dict(), "layers": _json(patched_layers(module))})
+            records.append(
+                {
+                    "path": path,
+                    "config": state.config.as_built(module).to_dict(),
+                    "layers": _json(patched_layers(module)),
+                }
+            )
     return records
 
 
