@@ -8,6 +8,8 @@ from typing import Any
 
 from rich.table import Table
 
+from ..io.atomic import atomic_write_text
+
 
 def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
@@ -93,8 +95,9 @@ def crossover_lines(result: dict[str, Any]) -> list[str]:
 
 
 def write_json(result: dict[str, Any], path: Path) -> None:
+    """Write `result` as indented JSON, atomically (a reader never sees half a file), making the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_text(path, json.dumps(result, indent=2) + "\n")
 
 
 class PlotUnavailableError(RuntimeError):

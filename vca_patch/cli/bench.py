@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from ..config import CONFIG_TYPES, ConfigError, TargetConfig
+from .bench_timing import BenchTiming
 from .common import DEVICE_HELP, console, fail, parse_layers, prepare_cpu_kernel, resolve_device
 
 
@@ -88,21 +89,24 @@ def bench(
         fail(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", 2)
     from ..bench.diffusion import DIFFUSION_MODELS
 
+    timing = BenchTiming(
+        batch=batch, device=device, dtype=dtype, repeats=repeats, min_time=min_time, warmup=warmup, threads=threads
+    )
+
     if model in DIFFUSION_MODELS:  # a diffusers DiT shape: latent token counts, one denoising step per call
         from .bench_diffusion import bench_diffusion
 
         default = resolutions == "224,512,1024,2048"
         return bench_diffusion(
-            model, None if default else _parse_ints(resolutions, "--resolutions"), _target_configs(target,
-            parse_layers(layers)), depth=depth, batch=batch, device=device, dtype=dtype, repeats=repeats,
-            min_time=min_time, warmup=warmup, threads=threads, cpu_kernel=cpu_kernel, json_path=json_path,
+            model, None if default else _parse_ints(resolutions, "--resolutions"),
+            _target_configs(target, parse_layers(layers)), timing, depth=depth, cpu_kernel=cpu_kernel,
+            json_path=json_path,
         )  # fmt: skip
     if family(model) is not None:  # Swin / PVTv2: one grid per stage, measured by its own sweep
         default = resolutions == "224,512,1024,2048"
         return bench_hierarchical(
-            model, None if default else _parse_ints(resolutions, "--resolutions"), batch=batch, device=device,
-            dtype=dtype, repeats=repeats, min_time=min_time, warmup=warmup, threads=threads, json_path=json_path,
-        )  # fmt: skip
+            model, None if default else _parse_ints(resolutions, "--resolutions"), timing, json_path=json_path
+        )
     device = str(resolve_device(device))
     if plot is not None:
         try:

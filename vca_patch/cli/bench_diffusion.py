@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 from ..config import TargetConfig
+from .bench_timing import BenchTiming
 from .common import console, fail, prepare_cpu_kernel, resolve_device
 
 
@@ -12,15 +14,9 @@ def bench_diffusion(
     model: str,
     resolutions: list[int] | None,
     configs: list[TargetConfig],
+    timing: BenchTiming,
     *,
     depth: int | None,
-    batch: int,
-    device: str,
-    dtype: str,
-    repeats: int,
-    min_time: float,
-    warmup: int,
-    threads: int | None,
     cpu_kernel: bool,
     json_path: Path | None,
 ) -> None:
@@ -36,16 +32,16 @@ def bench_diffusion(
     )
     from ..bench.report import write_json
 
-    device = str(resolve_device(device))
+    device = str(resolve_device(timing.device))
     settings = DiffusionBenchSettings(
-        resolutions=list(resolutions or DEFAULT_RESOLUTIONS), batch=batch, device=device, dtype=dtype,
-        warmup=warmup, repeats=repeats, min_time=min_time, threads=threads, cpu_kernel=cpu_kernel,
+        resolutions=list(resolutions or DEFAULT_RESOLUTIONS), **{**asdict(timing), "device": device},
+        cpu_kernel=cpu_kernel,
     )  # fmt: skip
     try:
         check_diffusion_bench(model, settings, depth)  # before the kernel build and the models
     except BenchError as exc:
         fail(str(exc), 2)
-    if device == "cpu" and dtype == "float32" and cpu_kernel and any(c.target == "vca" for c in configs):
+    if device == "cpu" and timing.dtype == "float32" and cpu_kernel and any(c.target == "vca" for c in configs):
         prepare_cpu_kernel()
     with console.status(f"Measuring {model}...") as status:
         try:

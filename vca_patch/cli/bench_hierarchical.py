@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .bench_timing import BenchTiming
 from .common import console, fail, prepare_cpu_kernel
 
 DEFAULT_RESOLUTIONS = [224, 512, 1024]  # 2048 px is a 512×512 stage-1 grid: minutes per forward on CPU
@@ -12,40 +13,37 @@ DEFAULT_RESOLUTIONS = [224, 512, 1024]  # 2048 px is a 512×512 stage-1 grid: mi
 def bench_hierarchical(
     model: str,
     resolutions: list[int] | None,
+    timing: BenchTiming,
     *,
-    batch: int,
-    device: str,
-    dtype: str,
-    repeats: int,
-    min_time: float,
-    warmup: int,
-    threads: int | None,
     json_path: Path | None,
 ) -> None:
     """Run and print the hierarchical sweep (`bench.hierarchical`); CPU float32 only."""
-    import json
-
     import torch
 
     from ..bench import BenchError
     from ..bench.hierarchical import hierarchical_table, run_hierarchical_sweep
+    from ..bench.report import write_json
 
-    if device != "cpu" or dtype != "float32":
-        fail(f"bench of hierarchical models (Swin, PVTv2) runs on cpu in float32 only, got {device} {dtype}", 2)
-    if threads:
-        torch.set_num_threads(threads)
+    if timing.device != "cpu" or timing.dtype != "float32":
+        fail(
+            "bench of hierarchical models (Swin, PVTv2) runs on cpu in float32 only, "
+            f"got {timing.device} {timing.dtype}",
+            2,
+        )
+    if timing.threads:
+        torch.set_num_threads(timing.threads)
     prepare_cpu_kernel()
     with console.status(f"Measuring {model}...") as status:
         try:
             result = run_hierarchical_sweep(
-                model, resolutions or DEFAULT_RESOLUTIONS, batch=batch, warmup=warmup, repeats=repeats,
-                min_time=min_time, log=lambda m: console.print(m.strip()) if "skipped" in m else status.update(m),
+                model, resolutions or DEFAULT_RESOLUTIONS, batch=timing.batch, warmup=timing.warmup,
+                repeats=timing.repeats, min_time=timing.min_time,
+                log=lambda m: console.print(m.strip()) if "skipped" in m else status.update(m),
             )  # fmt: skip
         except BenchError as exc:
             fail(str(exc), 2)
     console.print(hierarchical_table(result))
     console.print(f"[dim]{result['meta']['finding']}[/]")
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2))
+        write_json(result, json_path)
         console.print(f"[bold green]Wrote[/] {json_path}")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
+from ..bench.report import write_json
 from .common import DEVICE_HELP, DTYPE_HELP, console, fail, resolve_device, resolve_dtype
 
 KINDS = ("fashion_mnist", "imagefolder", "hf")
@@ -94,7 +94,7 @@ def fidelity(
     console.print(layers_table(report))
     console.print(measured_table(report))
     if json_out is not None:
-        json_out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        write_json(report.to_dict(), json_out)
     if plot is not None:
         try:
             report.plot(plot)
@@ -144,7 +144,7 @@ def diffusion_fidelity(model, reference, data: str | None, limit: int, json_out:
     console.print(summary_table({k: report[k] for k in keys}, f"Fidelity to the original ({report['prediction']})"))
     console.print(f"{report['latents']} {where}, random timesteps and conditions", highlight=False)
     if json_out is not None:
-        json_out.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(report, json_out)
 
 
 def summary_table(summary: dict[str, float], title: str = "Fidelity to the original") -> Table:
