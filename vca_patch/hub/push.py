@@ -8,18 +8,15 @@ Xet/LFS upload each and skips content the Hub already has, so a retried push res
 
 from __future__ import annotations
 
-import os
-import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..io.atomic import atomic_write_text
 from ..io.checkpoint import (
-    CARD_NAME,
     CONFIG_NAME,
     FORMS,
     CheckpointError,
@@ -33,6 +30,7 @@ from ..io.weights import WeightsMismatchError, read_state_dict
 from ..surgery import PatchError, get_patch_state
 from .errors import LOGIN_HINT, HubAuthError, HubError, HubUnavailableError
 from .resolve import hub_unreachable, validate_repo_id
+from .staging import stage_folder
 
 
 def resolve_token(token: str | None) -> str:
@@ -45,29 +43,14 @@ def resolve_token(token: str | None) -> str:
     return token
 
 
-def _link(src: Path, dest: Path) -> None:
-    """Put `src` at `dest` without copying when possible (the weights can be large)."""
-    try:
-        os.symlink(src.resolve(), dest)
-    except OSError:
-        shutil.copy2(src, dest)
-
-
 def stage_checkpoint(folder: Path, meta: dict[str, Any], repo_id: str, stage: Path) -> list[str]:
     """Lay out in `stage` the files to upload: config, weights, and the model card for `repo_id`.
 
     A card vca-patch generated is regenerated with the repo id filled in; a card edited by hand is kept.
     """
-    names = [CONFIG_NAME, weights_name(meta)]
-    for name in names:
-        _link(folder / name, stage / name)
-    card = folder / CARD_NAME
-    existing = card.read_text(encoding="utf-8") if card.is_file() else None
-    if existing is not None and existing not in (render_model_card(meta), render_model_card(meta, repo_id)):
-        _link(card, stage / CARD_NAME)
-    else:
-        atomic_write_text(stage / CARD_NAME, render_model_card(meta, repo_id=repo_id))
-    return [*names, CARD_NAME]
+    card = render_model_card(meta, repo_id=repo_id)
+    generated = (render_model_card(meta), render_model_card(meta, repo_id))
+    return stage_folder(folder, [CONFIG_NAME, weights_name(meta)], stage, card, generated)
 
 
 def _check_pushable(meta: dict[str, Any], where: str) -> None:
@@ -91,22 +74,23 @@ def check_folder_loads(folder: Path, meta: dict[str, Any]) -> None:
         raise CheckpointError(f"{folder} does not load, so nothing was pushed: {exc}") from None
 
 
-def _upload(
+def upload_stage(
     stage: Path,
-    meta: dict[str, Any],
     repo_id: str,
     *,
     token: str,
     private: bool,
     revision: str | None,
     commit_message: str,
+    delete_patterns: Sequence[str] = (),
 ) -> str:
+    """Upload the staged folder to `repo_id` (created if needed, on branch `revision`) in one commit that also
+    deletes the repo's files matching `delete_patterns`; the commit URL. Hub errors become HubError subclasses."""
     import httpx2
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
     api = HfApi(token=token)
-    stale = [name for name in FORMS.values() if name != weights_name(meta)]  # the other form's weights
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision and revision != "main":
@@ -116,7 +100,7 @@ def _upload(
             folder_path=stage,
             revision=revision,
             commit_message=commit_message,
-            delete_patterns=stale,
+            delete_patterns=list(delete_patterns),
         )
     except HfHubHTTPError as exc:
         status = exc.response.status_code if exc.response is not None else None
@@ -203,4 +187,8 @@ def push_to_hub(
             commit_message
             or f"Upload {meta['base']['architecture']} converted to VCA ({meta.get('checkpoint_form', 'merged')})"
         )
-        return _upload(stage, meta, repo_id, token=token, private=private, revision=revision, commit_message=message)
+        stale = [name for name in FORMS.values() if name != weights_name(meta)]  # the other form's weights
+        return upload_stage(
+            stage, repo_id, token=token, private=private, revision=revision, commit_message=message,
+            delete_patterns=stale,
+        )  # fmt: skip

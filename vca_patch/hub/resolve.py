@@ -54,7 +54,7 @@ def is_local(ref: str | Path) -> bool:
     )
 
 
-def _download(
+def download_file(
     repo_id: str,
     filename: str,
     revision: str | None,
@@ -63,6 +63,8 @@ def _download(
     token: str | None,
     reason: str | None,
 ) -> Path:
+    """`filename` of Hub repo `repo_id` at `revision`, downloaded or from the local cache (only the cache when
+    `reason`, why the Hub is unreachable, is given); a HubError subclass or CheckpointError says why not."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
@@ -117,7 +119,7 @@ def fetch_checkpoint(
     """(snapshot folder, config) of a Hub checkpoint, fetched into (or found in) the Hub cache."""
     repo_id = validate_repo_id(repo_id)
     reason = hub_unreachable()
-    config_path = _download(repo_id, CONFIG_NAME, revision, cache_dir=cache_dir, token=token, reason=reason)
+    config_path = download_file(repo_id, CONFIG_NAME, revision, cache_dir=cache_dir, token=token, reason=reason)
     where = f"{repo_id}@{revision}" if revision else repo_id
     try:
         meta = json.loads(config_path.read_text())
@@ -126,5 +128,5 @@ def fetch_checkpoint(
     check_checkpoint_config(meta, f"{CONFIG_NAME} of {where}")
     folder = config_path.parent  # <cache>/models--org--name/snapshots/<commit>/
     if not config_only:
-        _download(repo_id, weights_name(meta), folder.name, cache_dir=cache_dir, token=token, reason=reason)
+        download_file(repo_id, weights_name(meta), folder.name, cache_dir=cache_dir, token=token, reason=reason)
     return folder, meta

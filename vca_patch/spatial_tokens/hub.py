@@ -21,7 +21,6 @@ from .model import SpatialTokensError, get_spatial_projector
 # What a LLaVA-SP folder holds (save_pretrained's model, spatial tokens, processor and tokenizer files, card):
 # pushed, and fetched. Never pickles.
 FOLDER_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "README.md")
-CARD_NAME = "README.md"
 
 
 def is_spatial_folder(path: str | Path) -> bool:
@@ -62,19 +61,10 @@ def check_spatial_folder_loads(folder: Path) -> dict[str, Any]:
 
 def _stage(folder: Path, meta: dict[str, Any], repo_id: str, stage: Path) -> list[str]:
     """Link the folder's files into `stage`; a generated card is regenerated for `repo_id`, an edited one kept."""
-    from ..hub.push import _link
+    from ..hub.staging import stage_folder
 
-    names = folder_files(folder)
-    for name in names:
-        if name != CARD_NAME:
-            _link(folder / name, stage / name)
-    card = folder / CARD_NAME
-    existing = card.read_text(encoding="utf-8") if card.is_file() else None
-    if existing is not None and existing not in (render_card(meta), render_card(meta, repo_id)):
-        _link(card, stage / CARD_NAME)
-    else:
-        (stage / CARD_NAME).write_text(render_card(meta, repo_id), encoding="utf-8")
-    return sorted({*names, CARD_NAME})
+    generated = (render_card(meta), render_card(meta, repo_id))
+    return stage_folder(folder, folder_files(folder), stage, render_card(meta, repo_id), generated)
 
 
 def push_spatial_tokens(
@@ -94,7 +84,7 @@ def push_spatial_tokens(
     given = [name for name, used in (vca_only or {}).items() if used]
     if given:
         raise ValueError(f"{', '.join(given)}: for vca-patch checkpoints, not LLaVA-SP models; drop them")
-    from ..hub.push import _upload, require_hub, resolve_token
+    from ..hub.push import require_hub, resolve_token, upload_stage
 
     folder = None if isinstance(model_or_dir, nn.Module) else Path(model_or_dir).expanduser()
     meta = check_spatial_folder_loads(folder) if folder is not None else None
@@ -112,7 +102,7 @@ def push_spatial_tokens(
             f"Upload LLaVA-SP ({config['variant']}, {config['num_tokens']} spatial tokens, "
             f"+{meta['parameters']:,} parameters)"
         )
-        return _upload(stage, {}, repo_id, token=token, private=private, revision=revision, commit_message=message)
+        return upload_stage(stage, repo_id, token=token, private=private, revision=revision, commit_message=message)
 
 
 def fetch_spatial_folder(
@@ -124,12 +114,12 @@ def fetch_spatial_folder(
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     from ..hub.errors import HubUnavailableError
-    from ..hub.resolve import _download, hub_unreachable
+    from ..hub.resolve import download_file, hub_unreachable
     from ..io.checkpoint import CheckpointError
 
     reason = hub_unreachable()
     try:
-        config = _download(repo_id, CONFIG_FILE, revision, cache_dir=cache_dir, token=token, reason=reason)
+        config = download_file(repo_id, CONFIG_FILE, revision, cache_dir=cache_dir, token=token, reason=reason)
     except CheckpointError:  # no spatial_tokens.json in the repo
         return None
     folder = config.parent  # <cache>/models--org--name/snapshots/<commit>/
