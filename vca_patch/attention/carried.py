@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
+import torch
 from torch import nn
 
 from .fused_qkv import FusedQKVView, Member
-from .layout import TokenLayout
+from .layout import TokenLayout, record_layout, resolve_layout
 
 
 @dataclass
@@ -50,14 +51,38 @@ class CarriedAttention:
         layer.gate, layer.proj_drop = self.gate, self.proj_drop
 
 
+class CarriedLayerOptions(TypedDict, total=False):
+    """The keyword arguments of `CarriedAttentionLayer` after dim and num_heads, which every replacement layer
+    passes through unchanged (`**carried: Unpack[CarriedLayerOptions]`)."""
+
+    head_dim: int | None
+    dim_out: int | None
+    qkv_bias: bool
+    proj_bias: bool
+    proj_drop: float
+    qkv: nn.Module | FusedQKVView | None
+    proj: nn.Linear | None
+
+
 class CarriedAttentionLayer(nn.Module):
     """Base of the replacement layers: softmax attention's q/k/v/proj, norms, gate and dropout, carried over.
 
     The carried modules and parameters are registered under the names the original module used (HF
     `q_proj`/`k_proj`/`v_proj`/`o_proj`, timm `qkv` with BEiT's `q_bias`/`v_bias`, ...): `layer.qkv` and
     `layer.proj` are properties that read them, `qkv` as the fused projection (the Linear itself, or an
-    unregistered `FusedQKVView` of this layer). Subclasses add their own parameters (on `factory_kwargs`) and
-    `forward`; adapters swap in the original modules through `from_carried`.
+    unregistered `FusedQKVView` of this layer). Subclasses take the arguments below as `CarriedLayerOptions`,
+    add their own parameters (on `factory_kwargs`) and `forward_tokens` (or their own `forward`); adapters swap in
+    the original modules through `from_carried`.
+
+    Args:
+        dim: input channels C.
+        num_heads: heads M.
+        head_dim: per-head width d (default dim // num_heads).
+        dim_out: output channels C' (default dim).
+        qkv_bias, proj_bias: biases of the q/k/v and output projections built fresh (ignored for carried ones).
+        proj_drop: dropout after the output projection.
+        qkv, proj: existing fused q/k/v (a Linear or a `FusedQKVView`) and output projections to reuse (built fresh
+            when None); registered under their own names.
     """
 
     def __init__(
@@ -105,6 +130,24 @@ class CarriedAttentionLayer(nn.Module):
             raise ValueError(f"qkv/proj shapes do not fit {num_heads} heads of width {head_dim}")
         self.proj_drop = nn.Dropout(proj_drop)
 
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        *,
+        layout: TokenLayout | None = None,
+    ) -> torch.Tensor:
+        """x: [B, N, C] with N = prefix + H·W tokens -> [B, N, C'] (`forward_tokens`), on `layout` (default: the
+        call's, from `layout_source`), checked against N. Masks and causal attention are refused."""
+        owner = type(self).__name__
+        layout = resolve_layout(owner, x.shape[1], layout, self.layout_source, attn_mask, is_causal)
+        return record_layout(self.forward_tokens(x, layout), layout)  # for a recomputation under checkpointing
+
+    def forward_tokens(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """The layer's output for x [B, N, C] on its resolved, checked token layout: [B, N, C']."""
+        raise NotImplementedError(f"{type(self).__name__} defines neither forward_tokens nor forward")
+
     def _carry(self, name: str, member: Member) -> None:
         """Register a carried module or parameter under its original name (straight into the registry, so a
         name that is also a method here, e.g. `output`, still gets its original state-dict key)."""
@@ -116,6 +159,29 @@ class CarriedAttentionLayer(nn.Module):
             self._parameters[name] = member
         else:
             raise TypeError(f"carried {name!r} must be a module or a parameter, got {type(member).__name__}")
+
+    def _qkv_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection of x [B, N, C], split per head: q, k, v [B, M, N, d] each (no norms applied)."""
+        B, N, _ = x.shape
+        return self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def _heads(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, N, M·d] -> [B, M, N, d] (a view)."""
+        B, N, _ = tokens.shape
+        return tokens.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def _merge_heads(self, o: torch.Tensor) -> torch.Tensor:
+        """[B, M, N, d] per-head outputs -> [B, N, M·d]."""
+        B, _, N, _ = o.shape
+        return o.transpose(1, 2).reshape(B, N, self.attn_dim)
+
+    def norm_and_gate(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The carried path between the merged heads o [B, N, M·d] and the output projection: norm(o), times
+        sigmoid(gate(x)) of the layer input x [B, N, C] where the original gates its output."""
+        o = self.norm(o)
+        if self.gate is not None:
+            o = o * self.gate(x).sigmoid()
+        return o
 
     @property
     def qkv(self) -> nn.Module | FusedQKVView:

@@ -21,17 +21,19 @@ the original attention.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .carried import CarriedAttentionLayer
-from .fused_qkv import FusedQKVView
-from .layout import TokenLayout, grid_to_tokens, record_layout, resolve_layout
+from .carried import CarriedAttentionLayer, CarriedLayerOptions
+from .layout import TokenLayout, grid_to_tokens
 from .multipole_levels import Level, plan_levels, vcycle_weights
 from .windows import pad_grid, window_key_mask, window_merge, window_partition
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 DownMode = Literal["conv", "avg"]
 UpMode = Literal["conv", "nearest"]
@@ -55,7 +57,8 @@ class MultipoleAttention(CarriedAttentionLayer):
         prefix: "global" (prefix keys join every level-0 window) or "separate" (grid never sees them).
         pad: pad levels that the rate/window do not divide (False: raise instead).
         qkv, proj: existing fused q/k/v (a Linear or a `FusedQKVView`) and output projections to reuse (built fresh
-            when None); registered under their own names.
+            when None); registered under their own names. These, head_dim, dim_out, qkv_bias, proj_bias and
+            proj_drop are `CarriedAttentionLayer`'s options.
     """
 
     def __init__(
@@ -63,10 +66,6 @@ class MultipoleAttention(CarriedAttentionLayer):
         dim: int,
         num_heads: int,
         *,
-        head_dim: int | None = None,
-        dim_out: int | None = None,
-        qkv_bias: bool = True,
-        proj_bias: bool = True,
         window: int = 7,
         rate: int = 2,
         levels: int | None = None,
@@ -74,9 +73,7 @@ class MultipoleAttention(CarriedAttentionLayer):
         up: UpMode = "conv",
         prefix: PrefixMode = "global",
         pad: bool = True,
-        proj_drop: float = 0.0,
-        qkv: nn.Module | FusedQKVView | None = None,
-        proj: nn.Linear | None = None,
+        **carried: Unpack[CarriedLayerOptions],
     ) -> None:
         if down not in ("conv", "avg"):
             raise ValueError(f"down must be 'conv' or 'avg', got {down!r}")
@@ -90,10 +87,7 @@ class MultipoleAttention(CarriedAttentionLayer):
             raise ValueError(f"window must be a positive integer, got {window}")
         if levels is not None and levels < 1:
             raise ValueError(f"levels must be ≥ 1 or None (auto), got {levels}")
-        super().__init__(
-            dim, num_heads, head_dim=head_dim, dim_out=dim_out, qkv_bias=qkv_bias, proj_bias=proj_bias,
-            proj_drop=proj_drop, qkv=qkv, proj=proj,
-        )  # fmt: skip
+        super().__init__(dim, num_heads, **carried)
         self.window, self.rate, self.levels = window, rate, levels
         self.down_mode, self.up_mode, self.prefix, self.pad = down, up, prefix, pad
 
@@ -140,17 +134,12 @@ class MultipoleAttention(CarriedAttentionLayer):
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, T, C] -> q, k, v, each [B, M, T, d], with the carried q/k norms applied."""
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = self._qkv_heads(x)
         return self.q_norm(q), self.k_norm(k), v
 
     def _project(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Per-head outputs [B, M, T, d] and the tokens they came from [B, T, C] -> [B, T, C']."""
-        B, _, T, _ = o.shape
-        o = self.norm(o.transpose(1, 2).reshape(B, T, self.attn_dim))
-        if self.gate is not None:
-            o = o * self.gate(x).sigmoid()
-        return self.proj(o)
+        return self.proj(self.norm_and_gate(x, self._merge_heads(o)))
 
     def _window_attention(
         self,
@@ -198,17 +187,9 @@ class MultipoleAttention(CarriedAttentionLayer):
             z = self.up(z)
         return z[..., : size[0], : size[1]]
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        *,
-        layout: TokenLayout | None = None,
-    ) -> torch.Tensor:
+    def forward_tokens(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """x: [B, N, C] with N = prefix + H·W tokens -> [B, N, C']."""
-        B, N, C = x.shape
-        layout = resolve_layout("MultipoleAttention", N, layout, self.layout_source, attn_mask, is_causal)
+        B, _, C = x.shape
         P, (H, W) = layout.num_prefix_tokens, layout.grid
         levels = self.plan(layout.grid)
 
@@ -220,11 +201,11 @@ class MultipoleAttention(CarriedAttentionLayer):
             o = torch.cat([F.scaled_dot_product_attention(q[:, :, :P], k, v, scale=self.scale), o], dim=2)
         y = self._project(o, x)  # [B, N, C']
         if len(levels) == 1 or self.coarse_levels_vanish():
-            return record_layout(self.proj_drop(y), layout)
+            return self.proj_drop(y)
 
         correction = self.coarse_correction(x[:, P:].transpose(1, 2).reshape(B, C, H, W), levels)  # [B, C', H, W]
         y = torch.cat([y[:, :P], y[:, P:] + grid_to_tokens(correction)], dim=1)
-        return record_layout(self.proj_drop(y), layout)  # for a recomputation under gradient checkpointing
+        return self.proj_drop(y)
 
     def coarse_levels_vanish(self) -> bool:
         """Whether the coarse levels add exactly nothing and no gradient needs them: U = 0 (γ = 0 with nearest U),

@@ -20,7 +20,7 @@ compiler run the composite path (`attend`: two SDPA calls and a few small ops).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -28,12 +28,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import fused_cpu
-from .carried import CarriedAttentionLayer
+from .carried import CarriedAttentionLayer, CarriedLayerOptions
 from .differential_lambda import DifferentialLambda, lambda_init_for_depth
 from .fused_qkv import qkv_linears, qkv_projections, query_projection
 from .grid_pool import adaptive_avg_pool_tokens
-from .layout import TokenLayout, record_layout, resolve_layout
+from .layout import TokenLayout
 from .local_conv import add_conv_
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 SoftmaxMode = Literal["joint", "separate"]
 InitMode = Literal["preserve", "paper"]
@@ -107,11 +110,12 @@ class VisualContrastAttention(CarriedAttentionLayer):
         num_heads: heads M.
         head_dim: per-head width d (default dim // num_heads).
         dim_out: output channels (default dim).
+        qkv, proj: existing fused q/k/v and output projections to reuse (built fresh when None).
+            These, head_dim, dim_out, qkv_bias, proj_bias and proj_drop are `CarriedAttentionLayer`'s options.
         contrast_grid: (h, w) of the pooled contrast tokens, n = h·w.
         layer_index: 0-based block depth, sets λ_init = 0.8 − 0.6·exp(−0.3·layer_index).
         softmax: Stage-II softmax, "joint" over the 2n tokens or "separate" per stream.
         rms_eps: epsilon of both sub-layer RMSNorms.
-        qkv, proj: existing fused q/k/v and output projections to reuse (built fresh when None).
         prefix_readout: "contrast" (the paper: prefix tokens read the contrast tokens in Stage II) or
             "exact" (prefix tokens read all N keys with plain softmax attention, O(N·P), no RMSNorm).
         stage2_temperature: add a learnable per-head factor τ on the Stage-II logits (s·τ·q·tᵀ),
@@ -125,20 +129,14 @@ class VisualContrastAttention(CarriedAttentionLayer):
         dim: int,
         num_heads: int,
         *,
-        head_dim: int | None = None,
-        dim_out: int | None = None,
-        qkv_bias: bool = True,
-        proj_bias: bool = True,
         contrast_grid: tuple[int, int] = (7, 7),
         layer_index: int = 0,
         softmax: SoftmaxMode = "joint",
         rms_eps: float = 1e-5,
-        proj_drop: float = 0.0,
-        qkv: nn.Linear | None = None,
-        proj: nn.Linear | None = None,
         prefix_readout: PrefixReadout = "contrast",
         stage2_temperature: bool = False,
         token_magnitude: bool = False,
+        **carried: Unpack[CarriedLayerOptions],
     ) -> None:
         if softmax not in ("joint", "separate"):
             raise ValueError(f"softmax must be 'joint' or 'separate', got {softmax!r}")
@@ -146,10 +144,7 @@ class VisualContrastAttention(CarriedAttentionLayer):
             raise ValueError(f"prefix_readout must be 'contrast' or 'exact', got {prefix_readout!r}")
         if min(contrast_grid) < 1:
             raise ValueError(f"contrast_grid must be positive, got {contrast_grid}")
-        super().__init__(
-            dim, num_heads, head_dim=head_dim, dim_out=dim_out, qkv_bias=qkv_bias, proj_bias=proj_bias,
-            proj_drop=proj_drop, qkv=qkv, proj=proj,
-        )  # fmt: skip
+        super().__init__(dim, num_heads, **carried)
         head_dim, attn_dim = self.head_dim, self.attn_dim
         self.contrast_grid = tuple(contrast_grid)
         self.num_contrast_tokens = n = contrast_grid[0] * contrast_grid[1]
@@ -216,18 +211,12 @@ class VisualContrastAttention(CarriedAttentionLayer):
         instead of fresh pages faulted in on every call). Otherwise, and for any other projection module or
         one with hooks, the module runs as it is.
         """
-        B, N, _ = x.shape
         trains = torch.is_grad_enabled() and any(p.requires_grad for p in self.qkv.parameters())
         parts = None if trains else self._qkv_parts()  # slices would cost two more gradient copies
         if parts is None:
-            return self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+            return self._qkv_heads(x)
         q, k, v = (self._heads(F.linear(x, weight, bias)) for weight, bias in parts)
         return q, k, v
-
-    def _heads(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[B, N, M·d] -> [B, M, N, d] (a view)."""
-        B, N, _ = tokens.shape
-        return tokens.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
 
     def _qkv_parts(self) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
         """(weight, bias) of q, k and v (`qkv_projections`) when the projection runs plain Linear layers without
@@ -271,16 +260,9 @@ class VisualContrastAttention(CarriedAttentionLayer):
         tokens = pooled + embed.to(pooled.dtype)  # one add for both streams: [B, 2, n, C]
         return tokens.view(B, 2 * n, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        *,
-        layout: TokenLayout | None = None,
-    ) -> torch.Tensor:
-        """x: [B, N, dim] with N = prefix + H·W tokens -> [B, N, dim_out]."""
-        layout = resolve_layout("VisualContrastAttention", x.shape[1], layout, self.layout_source, attn_mask, is_causal)
+    def forward_tokens(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """x: [B, N, dim] with N = prefix + H·W tokens -> [B, N, dim_out]: the fused CPU kernel for float32
+        inference, else the composite path (recomputed in backward when training, see `recompute_in_backward`)."""
         if self._fused_kernel_usable(x):
             if torch.is_autocast_enabled("cpu"):  # the kernel is float32: it runs so, like an autocast fp32 op
                 with torch.autocast("cpu", enabled=False):
@@ -291,10 +273,8 @@ class VisualContrastAttention(CarriedAttentionLayer):
         if self.recompute_in_backward and torch.is_grad_enabled() and trains:
             # Training: keep only x, q, k, v (what softmax attention keeps, less its output) and run the rest
             # again in backward; the 2n-token tensors would otherwise add up to 8n/N token rows per layer.
-            out = checkpoint(self.attend, x, q, k, v, layout, use_reentrant=False)
-        else:
-            out = self.attend(x, q, k, v, layout)
-        return record_layout(out, layout)  # for a recomputation of this call under gradient checkpointing
+            return checkpoint(self.attend, x, q, k, v, layout, use_reentrant=False)
+        return self.attend(x, q, k, v, layout)
 
     def _fused_kernel_usable(self, x: torch.Tensor) -> bool:
         """float32 CPU inference (nothing needs a gradient; float32 weights, input float32 or under CPU autocast)
@@ -452,10 +432,7 @@ class VisualContrastAttention(CarriedAttentionLayer):
     def project_out(self, x: torch.Tensor, o: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         """The carried output path: o [B, N, attn_dim] -> proj(gate(norm(o))) [B, N, dim_out]. `into`: a dense
         buffer of the caller's, dead after this call, that receives the projection when it fits (see `_project`)."""
-        o = self.norm(o)
-        if self.gate is not None:
-            o = o * self.gate(x).sigmoid()
-        return self.proj_drop(self._project(o, into))
+        return self.proj_drop(self._project(self.norm_and_gate(x, o), into))
 
     def _project(self, o: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
         """proj(o), written into `into` (no fresh tensor) when proj is a plain Linear without hooks whose output

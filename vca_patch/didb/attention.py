@@ -18,15 +18,20 @@ term, A is used as is and o = Σ_j A_ij v_j: the original softmax attention.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.carried import CarriedAttentionLayer
+from ..attention.carried import CarriedAttentionLayer, CarriedLayerOptions
 from ..attention.fused_qkv import FusedQKVView
-from ..attention.layout import TokenLayout, record_layout, resolve_layout
+from ..attention.layout import TokenLayout
 from .binary import BinaryWeight, binary_forward
 from .haar import haar_split
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 def _rows(weight: torch.Tensor | BinaryWeight, start: int, stop: int) -> torch.Tensor | BinaryWeight:
@@ -66,6 +71,7 @@ class DIDBAttention(CarriedAttentionLayer):
         local: add the 8-neighbour differential term.
         normalize: divide the update by max(k_i, 1) (a positive per-token factor; False: the paper's raw sum).
         act_clip_init, band_init, threshold_init, local_init: initial c, (α_L, α_H), τ, γ.
+        **carried: `CarriedAttentionLayer`'s options (head_dim, dim_out, qkv/proj to reuse, ...).
     """
 
     def __init__(
@@ -73,13 +79,6 @@ class DIDBAttention(CarriedAttentionLayer):
         dim: int,
         num_heads: int,
         *,
-        head_dim: int | None = None,
-        dim_out: int | None = None,
-        qkv_bias: bool = True,
-        proj_bias: bool = True,
-        proj_drop: float = 0.0,
-        qkv: nn.Module | FusedQKVView | None = None,
-        proj: nn.Linear | None = None,
         binary: tuple[str, ...] = ("qkv", "proj"),
         binarize_weights: bool = True,
         binarize_activations: bool = True,
@@ -91,11 +90,9 @@ class DIDBAttention(CarriedAttentionLayer):
         band_init: tuple[float, float] = (1.0, 1.0),
         threshold_init: float = 2.0,
         local_init: float = 1.0,
+        **carried: Unpack[CarriedLayerOptions],
     ) -> None:
-        super().__init__(
-            dim, num_heads, head_dim=head_dim, dim_out=dim_out, qkv_bias=qkv_bias, proj_bias=proj_bias,
-            proj_drop=proj_drop, qkv=qkv, proj=proj,
-        )  # fmt: skip
+        super().__init__(dim, num_heads, **carried)
         if not threshold_init > 0:
             raise ValueError(f"threshold_init must be positive, got {threshold_init}")
         unknown = set(binary) - {"qkv", "proj"}
@@ -131,11 +128,6 @@ class DIDBAttention(CarriedAttentionLayer):
         if self.local_weight is not None:
             self.local_weight.fill_(self.inits["local"])
 
-    def _heads(self, t: torch.Tensor) -> torch.Tensor:
-        """[B, N, M·d] -> [B, M, N, d]."""
-        B, N, _ = t.shape
-        return t.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
-
     def _weight(self, name: str) -> torch.Tensor | BinaryWeight:
         """The fused qkv or the proj weight: packed (didb/packed.py), binarised from the latent weight, or real."""
         linear = self.qkv if name == "qkv" else self.proj
@@ -157,17 +149,8 @@ class DIDBAttention(CarriedAttentionLayer):
         clip = clip if self.binarize_activations and name in self.binary else None
         return binary_forward(x, weight, bias, clip, allow_kernel=not self.training)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        *,
-        layout: TokenLayout | None = None,
-    ) -> torch.Tensor:
+    def forward_tokens(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """x: [B, N, C] -> [B, N, C']."""
-        B, N, _ = x.shape
-        layout = resolve_layout("DIDBAttention", N, layout, self.layout_source, attn_mask, is_causal)
         A = self.attn_dim
         weight, bias = self._weight("qkv"), self.qkv.bias
         w_qk, w_v = _rows(weight, 0, 2 * A), _rows(weight, 2 * A, 3 * A)
@@ -198,11 +181,9 @@ class DIDBAttention(CarriedAttentionLayer):
         if self.normalize:
             out = out / count.clamp(min=1)
 
-        out = self.norm(out.transpose(1, 2).reshape(B, N, A))
-        if self.gate is not None:
-            out = out * self.gate(x).sigmoid()
+        out = self.norm_and_gate(x, self._merge_heads(out))
         y = self._linear("proj", out, self._weight("proj"), self.proj.bias, self.proj_clip)
-        return record_layout(self.proj_drop(y), layout)
+        return self.proj_drop(y)
 
     def extra_repr(self) -> str:
         return (
