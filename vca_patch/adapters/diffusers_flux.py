@@ -21,9 +21,9 @@ from ..attention import TokenLayout
 from ..attention.joint_vca import CarriedJointAttention, CarriedSingleStreamAttention, rotate
 from ..attention.layout import open_scope
 from .base import LayoutTracker
-from .diffusers_joint import _relative, reference_joint_attention
+from .diffusers_joint import joint_verification_error, random_rotary
 from .diffusers_processor import CarriedLayerProcessor
-from .verify import eval_mode, float32_copy
+from .verify import Probe, eval_mode, on_meta, relative_error
 
 FLUX_MODELS = ("FluxTransformer2DModel",)
 
@@ -63,46 +63,49 @@ class FluxLayoutHook:
         open_scope(self.tracker, TokenLayout(0, flux_grid(img_ids, hidden.shape[1])))
 
 
-class FluxJointLayerProcessor(CarriedLayerProcessor):
+class FluxLayerProcessor(CarriedLayerProcessor):
+    """Flux's call convention (`FluxAttnProcessor`: `attn, hidden_states, encoder_hidden_states, attention_mask,
+    image_rotary_emb`, plus vca_patch's `layout=`); the subclasses say which streams they take."""
+
+    def __call__(  # type: ignore[override]
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        layout: TokenLayout | None = None,
+    ) -> Any:
+        owner = self.owner(attn)
+        self.check_streams(owner, encoder_hidden_states, image_rotary_emb)
+        self.refuse_mask(owner, attention_mask)
+        self.bind(attn)
+        return self.run(hidden_states, encoder_hidden_states, layout=layout, rotary=image_rotary_emb)
+
+
+class FluxJointLayerProcessor(FluxLayerProcessor):
     """Processor for a Flux double-stream attention converted to `JointVisualContrastAttention`: image tokens,
     text tokens and the rotary embedding of [text; image] in; (image output, text output) out, as FluxAttnProcessor."""
 
-    def __call__(  # type: ignore[override]
-        self,
-        attn: nn.Module,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        layout: TokenLayout | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        owner = self.owner(attn)
-        if encoder_hidden_states is None or image_rotary_emb is None:
+    def check_streams(
+        self, owner: str, encoder_hidden_states: torch.Tensor | None, rotary: tuple[torch.Tensor, ...] | None = None
+    ) -> None:
+        if encoder_hidden_states is None or rotary is None:
             raise TypeError(f"{owner} needs encoder_hidden_states and image_rotary_emb (Flux double-stream attention)")
-        self.refuse_mask(owner, attention_mask)
-        self.bind(attn)
-        return self.layer(hidden_states, encoder_hidden_states, layout=layout, rotary=image_rotary_emb)
+
+    def run(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None, **kwargs: Any) -> Any:
+        return self.layer(hidden_states, encoder_hidden_states, **kwargs)
 
 
-class FluxSingleLayerProcessor(CarriedLayerProcessor):
+class FluxSingleLayerProcessor(FluxLayerProcessor):
     """Processor for a Flux single-stream attention converted to `SingleStreamVisualContrastAttention`: the
     [text; image] sequence and its rotary embedding in, the unprojected attention output out, as FluxAttnProcessor."""
 
-    def __call__(  # type: ignore[override]
-        self,
-        attn: nn.Module,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        layout: TokenLayout | None = None,
-    ) -> torch.Tensor:
-        owner = self.owner(attn)
+    def check_streams(
+        self, owner: str, encoder_hidden_states: torch.Tensor | None, rotary: tuple[torch.Tensor, ...] | None = None
+    ) -> None:
         if encoder_hidden_states is not None:
             raise TypeError(f"{owner} is single-stream attention over [text; image]; it got encoder_hidden_states")
-        self.refuse_mask(owner, attention_mask)
-        self.bind(attn)
-        return self.layer(hidden_states, layout=layout, rotary=image_rotary_emb)
 
 
 def reference_single_attention(
@@ -120,47 +123,24 @@ def reference_single_attention(
     return (weights @ v).transpose(1, 2).reshape(B, S, M * d)
 
 
-def random_rotary(num_tokens: int, head_dim: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [S, d] of random angles, pairs interleaved as Flux's `FluxPosEmbed` gives them."""
-    angles = torch.rand(num_tokens, head_dim // 2, generator=generator, dtype=torch.float64) * 6.3
-    return angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
-
-
 @torch.no_grad()
 def flux_verification_error(attn: nn.Module, carried: CarriedJointAttention) -> float | None:
     """Largest relative error of the two output streams, module vs the written-out reference (text first, random
     rotary embedding), on a random probe in float32 at least."""
-    weight = next(attn.parameters())
-    if weight.is_meta:
-        return None
-    attn, carried = float32_copy(attn, carried)  # checked in float32
-    weight = next(attn.parameters())
-    generator = torch.Generator().manual_seed(0)
-    image = torch.randn(2, 17, carried.dim, generator=generator).to(weight)
-    text = torch.randn(2, 5, carried.add_q_proj.in_features, generator=generator).to(weight)
-    cos, sin = (t.to(weight) for t in random_rotary(22, carried.head_dim, generator))
-    with eval_mode(attn):
-        expected: Any = attn(hidden_states=image, encoder_hidden_states=text, image_rotary_emb=(cos, sin))
-    if not (isinstance(expected, tuple) and len(expected) == 2):
-        raise TypeError("the Flux attention did not return (image output, text output)")
-    got = reference_joint_attention(carried, image, text, image_first=False, rotary=(cos, sin))
-    return max(_relative(g, e) for g, e in zip(got, expected, strict=True))
+    return joint_verification_error(attn, carried, image_first=False, rotary=True, family="Flux")
 
 
 @torch.no_grad()
 def single_verification_error(attn: nn.Module, carried: CarriedSingleStreamAttention) -> float | None:
     """Relative error of a Flux single-stream attention's output against the written-out reference (random
     rotary embedding), on a random [text; image] probe in float32 at least."""
-    weight = next(attn.parameters())
-    if weight.is_meta:
+    if on_meta(attn):
         return None
-    attn, carried = float32_copy(attn, carried)
-    weight = next(attn.parameters())
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 22, carried.dim, generator=generator).to(weight)
-    cos, sin = (t.to(weight) for t in random_rotary(22, carried.head_dim, generator))
-    with eval_mode(attn):
-        expected = attn(hidden_states=x, image_rotary_emb=(cos, sin))
+    probe = Probe.of(attn, carried)
+    x = probe.randn(2, 22, carried.dim)
+    cos, sin = (t.to(probe.weight) for t in random_rotary(22, carried.head_dim, probe.generator))
+    with eval_mode(probe.module):
+        expected = probe.module(hidden_states=x, image_rotary_emb=(cos, sin))
     if not isinstance(expected, torch.Tensor):
         raise TypeError("the Flux single-stream attention did not return one tensor")
-    return _relative(reference_single_attention(carried, x, (cos, sin)), expected)
+    return relative_error(reference_single_attention(probe.carried, x, (cos, sin)), expected)

@@ -8,12 +8,14 @@ with a softmax attention written out from the carried weights, in the model's to
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from ..attention.fused_qkv import SplitQKV
 from ..attention.joint_vca import CarriedJointAttention
-from .verify import eval_mode, float32_copy
+from .verify import Probe, eval_mode, on_meta, relative_error
 
 _QKV = ("to_q", "to_k", "to_v")
 _TEXT_QKV = ("add_q_proj", "add_k_proj", "add_v_proj")
@@ -92,25 +94,34 @@ def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return out.flatten(-2)
 
 
-def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((got - expected).norm() / expected.norm().clamp_min(1e-12))
+def random_rotary(num_tokens: int, head_dim: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [S, d] of random angles, pairs interleaved as Flux's `FluxPosEmbed` gives them."""
+    angles = torch.rand(num_tokens, head_dim // 2, generator=generator, dtype=torch.float64) * 6.3
+    return angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
 
 
 @torch.no_grad()
-def joint_verification_error(attn: nn.Module, carried: CarriedJointAttention) -> float | None:
+def joint_verification_error(
+    attn: nn.Module, carried: CarriedJointAttention, *, image_first: bool = True, rotary: bool = False,
+    family: str = "joint",
+) -> float | None:  # fmt: skip
     """Largest relative error of the two output streams, module vs reference, on a random probe (float32 at
-    least; None on the meta device)."""
-    weight = next(attn.parameters())
-    if weight.is_meta:
+    least; None on the meta device). `image_first=False, rotary=True`: the model's order is [text; image] and its
+    attention takes a rotary embedding of that sequence (`image_rotary_emb`, random here), as Flux's double-stream
+    attention; `family` names the attention in the error when it does not return both streams."""
+    if on_meta(attn):
         return None
-    attn, carried = float32_copy(attn, carried)  # checked in float32
-    weight = next(attn.parameters())
-    generator = torch.Generator().manual_seed(0)
-    image = torch.randn(2, 17, carried.dim, generator=generator).to(weight)
-    text = torch.randn(2, 5, carried.add_q_proj.in_features, generator=generator).to(weight)
-    with eval_mode(attn):
-        expected = attn(hidden_states=image, encoder_hidden_states=text)
+    probe = Probe.of(attn, carried)  # checked in float32
+    image = probe.randn(2, 17, carried.dim)
+    text = probe.randn(2, 5, carried.add_q_proj.in_features)
+    emb: tuple[torch.Tensor, torch.Tensor] | None = None
+    if rotary:
+        cos, sin = random_rotary(22, carried.head_dim, probe.generator)
+        emb = (cos.to(probe.weight), sin.to(probe.weight))
+    extra: dict[str, Any] = {} if emb is None else {"image_rotary_emb": emb}
+    with eval_mode(probe.module):
+        expected = probe.module(hidden_states=image, encoder_hidden_states=text, **extra)
     if not (isinstance(expected, tuple) and len(expected) == 2):
-        raise TypeError("the joint attention did not return (image output, text output)")
-    got = reference_joint_attention(carried, image, text, image_first=True)
-    return max(_relative(g, e) for g, e in zip(got, expected, strict=True))
+        raise TypeError(f"the {family} attention did not return (image output, text output)")
+    got = reference_joint_attention(probe.carried, image, text, image_first=image_first, rotary=emb)
+    return max(relative_error(g, e) for g, e in zip(got, expected, strict=True))

@@ -45,8 +45,11 @@ class CarriedLayerProcessor:
     (e.g. {"to_q": "to_q", "proj": "to_out.0", "q_norm": "norm_q"}); `original` is the processor it replaced,
     kept for `unpatch_model`. The call convention is diffusers' (`attn, hidden_states, ...`) plus an optional
     `layout=` for calling one attention module on its own. Cross-attention inputs and attention masks are
-    refused: the layer is a self-attention over the image tokens.
+    refused: the layer is a self-attention over the image tokens. A processor for other streams overrides
+    `check_streams` and `run` (and `__call__` for another call convention, as Flux's).
     """
+
+    token_kind = "tokens"  # what `hidden_states` holds, as call errors name it
 
     def __init__(self, layer: nn.Module, sources: dict[str, str], original: Any) -> None:
         self.layer = layer
@@ -89,15 +92,25 @@ class CarriedLayerProcessor:
         attention_mask: torch.Tensor | None = None,
         temb: torch.Tensor | None = None,
         layout: TokenLayout | None = None,
-    ) -> torch.Tensor:
+    ) -> Any:
         owner = self.owner(attn)
-        if encoder_hidden_states is not None:
-            raise TypeError(f"{owner} is a self-attention over image tokens; it got encoder_hidden_states")
+        self.check_streams(owner, encoder_hidden_states)
         self.refuse_mask(owner, attention_mask)
         if hidden_states.ndim != 3:
-            raise ValueError(f"{owner} takes [B, N, C] tokens, got shape {tuple(hidden_states.shape)}")
+            raise ValueError(f"{owner} takes [B, N, C] {self.token_kind}, got shape {tuple(hidden_states.shape)}")
         self.bind(attn)
-        return self.layer(hidden_states, layout=layout)
+        return self.run(hidden_states, encoder_hidden_states, layout=layout)
+
+    def check_streams(
+        self, owner: str, encoder_hidden_states: torch.Tensor | None, rotary: tuple[torch.Tensor, ...] | None = None
+    ) -> None:
+        """Refuse a call whose streams this layer does not take (here: any text stream)."""
+        if encoder_hidden_states is not None:
+            raise TypeError(f"{owner} is a self-attention over image tokens; it got encoder_hidden_states")
+
+    def run(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None, **kwargs: Any) -> Any:
+        """The layer on the call's streams (checked, bound): here the image tokens only."""
+        return self.layer(hidden_states, **kwargs)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.layer!r})"
@@ -108,20 +121,13 @@ class JointLayerProcessor(CarriedLayerProcessor):
     `JointVisualContrastAttention`: `hidden_states` are the image tokens, `encoder_hidden_states` the text
     tokens; returns (image output, text output) as `JointAttnProcessor2_0` does."""
 
-    def __call__(  # type: ignore[override]
-        self,
-        attn: nn.Module,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        temb: torch.Tensor | None = None,
-        layout: TokenLayout | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        owner = self.owner(attn)
+    token_kind = "image tokens"
+
+    def check_streams(
+        self, owner: str, encoder_hidden_states: torch.Tensor | None, rotary: tuple[torch.Tensor, ...] | None = None
+    ) -> None:
         if encoder_hidden_states is None:
             raise TypeError(f"{owner} is a joint image + text attention; it needs encoder_hidden_states")
-        self.refuse_mask(owner, attention_mask)
-        if hidden_states.ndim != 3:
-            raise ValueError(f"{owner} takes [B, N, C] image tokens, got shape {tuple(hidden_states.shape)}")
-        self.bind(attn)
-        return self.layer(hidden_states, encoder_hidden_states, layout=layout)
+
+    def run(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None, **kwargs: Any) -> Any:
+        return self.layer(hidden_states, encoder_hidden_states, **kwargs)

@@ -20,22 +20,21 @@ from torch import nn
 from ..attention import TokenLayout
 from ..attention.fused_qkv import SplitQKV
 from ..attention.staged_carry import CarriedReductionAttention
-from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
-from .hf_vision import HFVisionAdapter
-from .timm_pvt import LINEAR_ATTENTION_REASON, note_dropped_reduction, reference_reduction_attention
-from .verify import eval_mode, float32_copy, record_verdict
+from .base import AttentionSite, SkippedSite
+from .staged import HFStagedAdapter
+from .timm_pvt import (
+    LINEAR_ATTENTION_REASON,
+    conv_output_size,
+    note_dropped_reduction,
+    reduction_attention_error,
+    stage_grid_text,
+)
+from .verify import on_meta, record_verdict
 
 _V2_MODULE = "transformers.models.pvt_v2.modeling_pvt_v2"
 _SITE = re.compile(r"(?:^|\.)layers\.(\d+)\.blocks\.(\d+)\.attention$")
 _QKV_NAMES = ("query", "key", "value")
 _REDUCTION_NAMES = ("spatial_reduction", "layer_norm")
-
-
-def _conv_out(size: tuple[int, int], conv: nn.Conv2d) -> tuple[int, int]:
-    return tuple(
-        (s + 2 * p - d * (k - 1) - 1) // st + 1
-        for s, p, d, k, st in zip(size, conv.padding, conv.dilation, conv.kernel_size, conv.stride, strict=True)
-    )
 
 
 class PvtCallShim:
@@ -59,6 +58,11 @@ class PvtCallShim:
         return (x, (int(height), int(width))), {}
 
 
+def call_with_height_width(module: nn.Module, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """The output tokens of `module(hidden_states, height, width)`, as transformers' PVT layers call attention."""
+    return module(x, grid[0], grid[1])[0]
+
+
 class OneTuple:
     """Forward hook: return `(output,)`, as `PvtV2SelfAttention` does without `output_attentions`."""
 
@@ -66,14 +70,10 @@ class OneTuple:
         return (output,)
 
 
-class HFPvtAdapter(ModelAdapter):
+class HFPvtAdapter(HFStagedAdapter):
     """Converts transformers PVTv2 spatial-reduction attention to `SpatialReductionVCA`; see the module docstring."""
 
     name = "hf-pvt"
-    layers_run_alone = False  # grid/windows come from block hooks
-
-    def __init__(self) -> None:
-        self._stages: dict[str, tuple[int, dict[str, Any]]] = {}  # site path -> (stage, report settings)
 
     @classmethod
     def applies_to(cls, model: nn.Module) -> bool:
@@ -89,7 +89,7 @@ class HFPvtAdapter(ModelAdapter):
         grid = (size, size) if isinstance(size, int) else tuple(size)
         grids = []
         for layer in self._encoder(model).layers:
-            grid = _conv_out(grid, layer.patch_embedding.proj)
+            grid = conv_output_size(grid, layer.patch_embedding.proj)
             grids.append(grid)
         return grids
 
@@ -106,15 +106,10 @@ class HFPvtAdapter(ModelAdapter):
             if attn.linear_attention:
                 skipped.append(SkippedSite(path, type(attn).__name__, LINEAR_ATTENTION_REASON))
             else:
-                grid = grids[stage]
-                text = f"{grid[0]}x{grid[1]}"
-                sr = getattr(attn, "spatial_reduction", None)
-                if sr is not None:
-                    keys = _conv_out(grid, sr)
-                    text += f", keys {keys[0]}x{keys[1]} (sr {sr.stride[0]})"
-                self._stages[path] = (stage, {"stage": stage, "grid": text})
-                notes = list(filter(None, [attention_dropout_note(attn)]))
-                sites.append(AttentionSite(path, attn, index, attn.hidden_size, attn.num_attention_heads, notes))
+                text = stage_grid_text(grids[stage], getattr(attn, "spatial_reduction", None))
+                settings = {"stage": stage, "grid": text}
+                heads = attn.num_attention_heads
+                sites.append(self.staged_site(path, attn, index, attn.hidden_size, heads, stage, settings))
             index += 1
         return sites, skipped
 
@@ -149,23 +144,8 @@ class HFPvtAdapter(ModelAdapter):
         """The module must equal spatial-reduction softmax attention built from its query/key/value, reduction
         and proj (on a non-square grid, so a transposed grid would show)."""
         module = site.module
-        weight = next(module.parameters())
-        if weight.is_meta:
+        if on_meta(module):
             return site
-        carried = self.carry(site)
-        ratio = max(module.spatial_reduction_ratio, 2)
-        grid = (2 * ratio, 3 * ratio)
-        module, carried = float32_copy(module, carried)  # checked in float32
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(2, grid[0] * grid[1], site.dim, generator=generator).to(next(module.parameters()))
-        with eval_mode(module):
-            expected = module(x, grid[0], grid[1])[0]
-        error = float((reference_reduction_attention(carried, x, grid) - expected).norm() / expected.norm())
+        ratio = module.spatial_reduction_ratio
+        error = reduction_attention_error(module, self.carry(site), site.dim, ratio, call_with_height_width)
         return record_verdict(site, error, "spatial-reduction attention")
-
-    def describe_base(self, model: nn.Module) -> dict[str, Any]:
-        return HFVisionAdapter.describe_base(self, model)
-
-    @classmethod
-    def create_base(cls, description: dict[str, Any]) -> nn.Module:
-        return HFVisionAdapter.create_base(description)

@@ -19,10 +19,10 @@ from torch import nn
 
 from ..attention.fused_qkv import SplitQKV
 from ..attention.staged_carry import CarriedReductionAttention
-from .base import AttentionSite, SkippedSite, attention_dropout_note
-from .hf_pvt import HFPvtAdapter, _conv_out
-from .timm_pvt import reference_reduction_attention
-from .verify import eval_mode, float32_copy, record_verdict
+from .base import AttentionSite, SkippedSite
+from .hf_pvt import HFPvtAdapter, call_with_height_width
+from .timm_pvt import conv_output_size, reduction_attention_error, stage_grid_text
+from .verify import on_meta, record_verdict
 
 _V1_MODULE = "transformers.models.pvt.modeling_pvt"
 _SITE = re.compile(r"(?:^|\.)encoder\.block\.(\d+)\.(\d+)\.attention\.self$")
@@ -60,7 +60,7 @@ class HFPvtV1Adapter(HFPvtAdapter):
         grid = (size, size) if isinstance(size, int) else tuple(size)
         grids = []
         for embedding in self._encoder(model).patch_embeddings:
-            grid = _conv_out(grid, embedding.projection)
+            grid = conv_output_size(grid, embedding.projection)
             grids.append(grid)
         return grids
 
@@ -74,16 +74,11 @@ class HFPvtV1Adapter(HFPvtAdapter):
             if match is None or type(attn).__name__ != "PvtEfficientSelfAttention":
                 continue
             stage = int(match.group(1))
-            grid = grids[stage]
             prefix = int(embeddings[stage].cls_token is not None)
-            text = f"{grid[0]}x{grid[1]}" + (" + CLS" if prefix else "")
-            sr = getattr(attn, "sequence_reduction", None)
-            if sr is not None:
-                keys = _conv_out(grid, sr)
-                text += f", keys {keys[0]}x{keys[1]} (sr {sr.stride[0]})"
-            self._stages[path] = (stage, {"stage": stage, "grid": text, "prefix": prefix})
-            notes = list(filter(None, [attention_dropout_note(attn)]))
-            sites.append(AttentionSite(path, attn, index, attn.hidden_size, attn.num_attention_heads, notes))
+            text = stage_grid_text(grids[stage], getattr(attn, "sequence_reduction", None), cls_token=bool(prefix))
+            settings = {"stage": stage, "grid": text, "prefix": prefix}
+            heads = attn.num_attention_heads
+            sites.append(self.staged_site(path, attn, index, attn.hidden_size, heads, stage, settings))
             index += 1
         return sites, []
 
@@ -103,19 +98,17 @@ class HFPvtV1Adapter(HFPvtAdapter):
         """The module must equal spatial-reduction softmax attention built from its query/key/value and reduction
         (on a non-square grid, so a transposed grid would show; the last stage's CLS token in front)."""
         module = site.module
-        weight = next(module.parameters())
-        if weight.is_meta:
+        if on_meta(module):
             return site
         carried = self.carry(site)
         prefix = self._stages[site.path][1]["prefix"]
-        ratio = max(int(module.sequences_reduction_ratio), 2)
-        grid = (2 * ratio, 3 * ratio)
-        module, carried = float32_copy(module, carried)  # checked in float32
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(2, prefix + grid[0] * grid[1], site.dim, generator=generator).to(next(module.parameters()))
-        with eval_mode(module):
-            expected = module(x, grid[0], grid[1])[0]
-        if prefix and carried.sr is not None:
-            raise ValueError("a CLS token before a spatial reduction: transformers' PvtModel cannot run this stage")
-        error = float((reference_reduction_attention(carried, x, grid) - expected).norm() / expected.norm())
+
+        def call(attn: nn.Module, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+            expected = call_with_height_width(attn, x, grid)  # transformers' own error, if any, comes first
+            if prefix and carried.sr is not None:
+                raise ValueError("a CLS token before a spatial reduction: transformers' PvtModel cannot run this stage")
+            return expected
+
+        ratio = int(module.sequences_reduction_ratio)
+        error = reduction_attention_error(module, carried, site.dim, ratio, call, prefix=prefix)
         return record_verdict(site, error, "spatial-reduction attention")

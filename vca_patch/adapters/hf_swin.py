@@ -31,14 +31,14 @@ from ..attention import TokenLayout
 from ..attention.cosine_window_carry import CarriedCosineWindowAttention
 from ..attention.fused_qkv import SplitQKV
 from ..attention.staged_carry import CarriedWindowAttention
-from ..attention.window_call import WindowCall, close_window_call, current_window_call, open_window_call
+from ..attention.window_call import WindowCall, WindowCallEnd, WindowCallOwner, close_window_call, open_window_call
 from ..attention.window_terms import PassThroughProjection
-from ..attention.windows import pad_grid, window_merge, window_partition
-from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note, remove_hooks
+from ..attention.windows import pad_grid, window_partition
+from .base import AttentionSite, ModelAdapter, SkippedSite, remove_hooks
 from .call_shims import TupleOutput
-from .hf_vision import HFVisionAdapter
-from .timm_swin import COSINE_GLOBAL_MODE_NOTE, GLOBAL_MODE_NOTE, LAST_STAGE_REASON, reference_window_attention
-from .verify import eval_mode, float32_copy, record_verdict
+from .staged import HFStagedAdapter
+from .timm_swin import LAST_STAGE_REASON, note_global_mode, window_attention_error
+from .verify import on_meta, record_verdict
 
 _SWIN_MODULE = "transformers.models.swin.modeling_swin"
 _SWINV2_MODULE = "transformers.models.swinv2.modeling_swinv2"
@@ -51,13 +51,7 @@ class PaddedShiftWindowCall(WindowCall):
     """A window call of transformers' `SwinLayer`: the grid padded to whole windows first, then rolled by `shift`."""
 
     def windows_to_grid(self, windows: torch.Tensor) -> torch.Tensor:
-        kh, kw = self.window
-        if windows.shape[1] != kh * kw or windows.shape[0] % self.num_windows:
-            raise ValueError(
-                f"got {tuple(windows.shape[:2])} window tokens, expected (B·{self.num_windows}, {kh * kw}) for a "
-                f"{self.grid[0]}x{self.grid[1]} grid in {kh}x{kw} windows"
-            )
-        grid = window_merge(windows.view(-1, self.num_windows, kh * kw, windows.shape[-1]), self.padded, self.window)
+        grid = self.merge_windows(windows)
         if any(self.shift):
             grid = torch.roll(grid, shifts=self.shift, dims=(1, 2))
         return grid[:, : self.grid[0], : self.grid[1]].contiguous()
@@ -77,7 +71,7 @@ def _window_and_shift(block: nn.Module, grid: tuple[int, int]) -> tuple[int, int
     return int(block.window_size), int(block.shift_size)
 
 
-class SwinLayerWindowHook:
+class SwinLayerWindowHook(WindowCallOwner):
     """Forward pre-hook on a transformers `SwinLayer`: opens the call's `WindowCall` scope."""
 
     def __call__(self, block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -89,9 +83,6 @@ class SwinLayerWindowHook:
         else:
             window, shift = _window_and_shift(block, grid)
         open_window_call(self, PaddedShiftWindowCall(grid, (window, window), (shift, shift)))
-
-    def current(self) -> WindowCall | None:
-        return current_window_call(self)
 
 
 class RecordingClamp:
@@ -125,14 +116,8 @@ class RecordingPad:
         return type(self.block).maybe_pad(self.block, hidden_states, height, width)
 
 
-class SwinLayerWindowEnd:
+class SwinLayerWindowEnd(WindowCallEnd):
     """Forward hook (always called) on a `SwinLayer`: its window-call scope ends with it."""
-
-    def __init__(self, hook: SwinLayerWindowHook) -> None:
-        self.hook = hook
-
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
-        close_window_call(self.hook)
 
 
 class SwinCallShim:
@@ -158,14 +143,13 @@ def _block_path(site_path: str) -> str:
     return site_path.removesuffix(".self").rpartition(".")[0]
 
 
-class HFSwinAdapter(ModelAdapter):
+class HFSwinAdapter(HFStagedAdapter):
     """Converts transformers Swin window attention to `WindowedVCA`; see the module docstring."""
 
     name = "hf-swin"
-    layers_run_alone = False  # grid/windows come from block hooks
 
     def __init__(self) -> None:
-        self._stages: dict[str, tuple[int, dict[str, Any]]] = {}  # site path -> (stage, report settings)
+        super().__init__()
         self._hooks: dict[str, SwinLayerWindowHook] = {}  # SwinLayer path -> its hook
 
     @classmethod
@@ -189,10 +173,9 @@ class HFSwinAdapter(ModelAdapter):
                 block = model.get_submodule(_block_path(path))
                 grid = tuple(int(g) for g in block.input_resolution)
                 window, _ = _window_and_shift(block, grid)
-                self._stages[path] = (stage, {"stage": stage, "grid": list(grid), "window": [window, window]})
-                notes = list(filter(None, [attention_dropout_note(attn)]))
+                settings = {"stage": stage, "grid": list(grid), "window": [window, window]}
                 dim = (attn.query if nested else attn.q_proj).in_features
-                sites.append(AttentionSite(path, attn, index, dim, attn.num_attention_heads, notes))
+                sites.append(self.staged_site(path, attn, index, dim, attn.num_attention_heads, stage, settings))
             index += 1
         return sites, skipped
 
@@ -234,9 +217,7 @@ class HFSwinAdapter(ModelAdapter):
         replacement.window_source = hook.current
         replacement.register_forward_pre_hook(SwinCallShim(), with_kwargs=True)
         replacement.register_forward_hook(TupleOutput())
-        note = COSINE_GLOBAL_MODE_NOTE if replacement.cosine else GLOBAL_MODE_NOTE
-        if replacement.mode == "global" and note not in site.notes:
-            site.notes.append(note)
+        note_global_mode(replacement, site)
 
     def install_layout_tracker(self, model: nn.Module):
         tracker = super().install_layout_tracker(model)
@@ -267,27 +248,9 @@ class HFSwinAdapter(ModelAdapter):
         """The module must equal window attention built from its q/k/v, bias table and o_proj (Swinv2: cosine scores,
         logit scale and CPB, no projection), under a mask."""
         module = site.module
-        weight = next(module.parameters())
-        if weight.is_meta:
+        if on_meta(module):
             return site
-        carried = self.carry(site)
-        module, carried = float32_copy(module, carried)  # checked in float32
         v2 = hasattr(module, "window_size")
         window = math.prod(module.window_size) if v2 else module.relative_position_bias.window_area
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(2 * 3, window, site.dim, generator=generator).to(next(module.parameters()))
-        mask = torch.where(torch.rand(3, window, window, generator=generator) < 0.3, -100.0, 0.0).to(x)
-        with eval_mode(module):
-            errors = []
-            for m in (None, mask):
-                expected = module(x, m)[0]
-                errors.append(float((reference_window_attention(carried, x, m) - expected).norm() / expected.norm()))
-        error = max(errors)
+        error = window_attention_error(module, self.carry(site), site.dim, window, lambda m, x, mask: m(x, mask)[0])
         return record_verdict(site, error, "window attention")
-
-    def describe_base(self, model: nn.Module) -> dict[str, Any]:
-        return HFVisionAdapter.describe_base(self, model)
-
-    @classmethod
-    def create_base(cls, description: dict[str, Any]) -> nn.Module:
-        return HFVisionAdapter.create_base(description)

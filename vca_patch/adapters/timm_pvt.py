@@ -8,6 +8,7 @@ is already linear (keys pooled to 7×7) and is skipped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,9 +18,10 @@ from torch import nn
 from ..attention import TokenLayout
 from ..attention.q_kv_view import QAndKV
 from ..attention.staged_carry import PAPER_MODE_NOTE, CarriedReductionAttention
-from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
-from .timm_base import create_timm_base, describe_timm_base
-from .verify import eval_mode, float32_copy, record_verdict
+from .base import AttentionSite, SkippedSite
+from .staged import TimmStagedAdapter
+from .timm_base import describe_timm_base
+from .verify import Probe, eval_mode, on_meta, record_verdict
 
 _RECORDED_ARGS = ("num_classes", "global_pool")
 LINEAR_ATTENTION_REASON = "linear attention already (keys pooled to 7x7): nothing for VCA to make linear"
@@ -29,7 +31,7 @@ def _is_pvt_v2(model: nn.Module) -> bool:
     return type(model).__module__ == "timm.models.pvt_v2" and hasattr(model, "stages")
 
 
-def _conv_out(size: tuple[int, int], conv: nn.Conv2d) -> tuple[int, int]:
+def conv_output_size(size: tuple[int, int], conv: nn.Conv2d) -> tuple[int, int]:
     """The spatial output size of `conv` on a `size` input."""
     return tuple(
         (s + 2 * p - d * (k - 1) - 1) // st + 1
@@ -57,6 +59,36 @@ def reference_reduction_attention(carried: CarriedReductionAttention, x: torch.T
     return carried.proj((weights @ v).transpose(1, 2).reshape(B, N, M * d))
 
 
+def stage_grid_text(grid: tuple[int, int], sr: nn.Conv2d | None, *, cls_token: bool = False) -> str:
+    """The report's grid of a spatial-reduction site: "HxW" (" + CLS"), then the keys' grid after `sr`, if any."""
+    text = f"{grid[0]}x{grid[1]}" + (" + CLS" if cls_token else "")
+    if sr is not None:
+        keys = conv_output_size(grid, sr)
+        text += f", keys {keys[0]}x{keys[1]} (sr {sr.stride[0]})"
+    return text
+
+
+@torch.no_grad()
+def reduction_attention_error(
+    module: nn.Module,
+    carried: CarriedReductionAttention,
+    dim: int,
+    ratio: int,
+    call: Callable[[nn.Module, torch.Tensor, tuple[int, int]], torch.Tensor],
+    prefix: int = 0,
+) -> float:
+    """Relative error of `call(module, tokens, grid)` against `reference_reduction_attention` on random
+    [2, prefix + H·W, dim] tokens over a (2R, 3R) grid, R = max(ratio, 2): not square, so a transposed grid would
+    show (a half-precision module checked in float32)."""
+    ratio = max(ratio, 2)
+    grid = (2 * ratio, 3 * ratio)
+    probe = Probe.of(module, carried)
+    x = probe.randn(2, prefix + grid[0] * grid[1], dim)
+    with eval_mode(probe.module):
+        expected = call(probe.module, x, grid)
+    return float((reference_reduction_attention(probe.carried, x, grid) - expected).norm() / expected.norm())
+
+
 def note_dropped_reduction(replacement: nn.Module, site: AttentionSite) -> None:
     """Say in the site's notes (so the report calls it approximate, and strict refuses it) when the replacement
     dropped the module's spatial reduction (`pvt_mode="paper"`)."""
@@ -65,14 +97,10 @@ def note_dropped_reduction(replacement: nn.Module, site: AttentionSite) -> None:
         site.notes.append(PAPER_MODE_NOTE)
 
 
-class TimmPVTAdapter(ModelAdapter):
+class TimmPVTAdapter(TimmStagedAdapter):
     """Converts timm PVTv2 spatial-reduction attention to `SpatialReductionVCA` (q, kv, sr, norm, proj carried)."""
 
     name = "timm-pvt"
-    layers_run_alone = False  # grid/windows come from block hooks
-
-    def __init__(self) -> None:
-        self._stages: dict[str, tuple[int, dict[str, Any]]] = {}  # site path -> (stage, report settings)
 
     @classmethod
     def applies_to(cls, model: nn.Module) -> bool:
@@ -80,11 +108,11 @@ class TimmPVTAdapter(ModelAdapter):
 
     def stage_grids(self, model: nn.Module) -> list[tuple[int, int]]:
         """Each stage's grid at the model's native input size (conv arithmetic of the patch embeddings)."""
-        grid = _conv_out(_input_size(model), model.patch_embed.proj)
+        grid = conv_output_size(_input_size(model), model.patch_embed.proj)
         grids = []
         for stage in model.stages:
             if stage.downsample is not None:
-                grid = _conv_out(grid, stage.downsample.proj)
+                grid = conv_output_size(grid, stage.downsample.proj)
             grids.append(grid)
         return grids
 
@@ -98,21 +126,10 @@ class TimmPVTAdapter(ModelAdapter):
                 if getattr(attn, "pool", None) is not None:
                     skipped.append(SkippedSite(path, type(attn).__name__, LINEAR_ATTENTION_REASON))
                 else:
-                    text = f"{grid[0]}x{grid[1]}"
-                    if attn.sr is not None:
-                        keys = _conv_out(grid, attn.sr)
-                        text += f", keys {keys[0]}x{keys[1]} (sr {attn.sr.stride[0]})"
-                    self._stages[path] = (i, {"stage": i, "grid": text})
-                    notes = list(filter(None, [attention_dropout_note(attn)]))
-                    sites.append(AttentionSite(path, attn, index, attn.dim, attn.num_heads, notes))
+                    settings = {"stage": i, "grid": stage_grid_text(grid, attn.sr)}
+                    sites.append(self.staged_site(path, attn, index, attn.dim, attn.num_heads, i, settings))
                 index += 1
         return sites, skipped
-
-    def embedding_module(self, model: nn.Module) -> nn.Module:
-        return model.patch_embed
-
-    def layout_from_embedding(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> TokenLayout:
-        return TokenLayout(0, (int(output.shape[1]), int(output.shape[2])))  # NHWC: stage 1's grid
 
     def default_layout(self, model: nn.Module) -> TokenLayout | None:
         return TokenLayout(0, self.stage_grids(model)[0])
@@ -133,25 +150,14 @@ class TimmPVTAdapter(ModelAdapter):
     def verify(self, site: AttentionSite) -> AttentionSite:
         """The module must equal spatial-reduction softmax attention built from its q, kv, sr, norm and proj."""
         module = site.module
-        weight = next(module.parameters())
-        if weight.is_meta:
+        if on_meta(module):
             return site
         carried = self.carry(site)
-        ratio = max(carried.sr.stride[0] if carried.sr is not None else 1, 2)
-        grid = (2 * ratio, 3 * ratio)  # not square: a transposed grid would show
-        module, carried = float32_copy(module, carried)  # checked in float32
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(2, grid[0] * grid[1], site.dim, generator=generator).to(next(module.parameters()))
-        with eval_mode(module):
-            expected = module(x, grid)
-        error = float((reference_reduction_attention(carried, x, grid) - expected).norm() / expected.norm())
+        ratio = carried.sr.stride[0] if carried.sr is not None else 1
+        error = reduction_attention_error(module, carried, site.dim, ratio, lambda m, x, grid: m(x, grid))
         return record_verdict(site, error, "spatial-reduction attention")
 
     def describe_base(self, model: nn.Module) -> dict[str, Any]:
         args = {key: getattr(model, key) for key in _RECORDED_ARGS if hasattr(model, key)}
         args["in_chans"] = model.patch_embed.proj.in_channels
         return describe_timm_base(model, args)
-
-    @classmethod
-    def create_base(cls, description: dict[str, Any]) -> nn.Module:
-        return create_timm_base(description)

@@ -14,6 +14,7 @@ residual mode and dropped by the global one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,10 +25,11 @@ from ..attention import TokenLayout
 from ..attention.cosine_window_carry import CarriedCosineWindowAttention
 from ..attention.fused_qkv import QKVWithSeparateBias
 from ..attention.staged_carry import CarriedWindowAttention
-from ..attention.window_call import WindowCall, close_window_call, current_window_call, open_window_call
-from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note, remove_hooks
-from .timm_base import create_timm_base, describe_timm_base
-from .verify import eval_mode, float32_copy, record_verdict
+from ..attention.window_call import WindowCall, WindowCallEnd, WindowCallOwner, close_window_call, open_window_call
+from .base import AttentionSite, ModelAdapter, SkippedSite, remove_hooks
+from .staged import TimmStagedAdapter
+from .timm_base import describe_timm_base
+from .verify import Probe, eval_mode, on_meta, record_verdict
 
 _RECORDED_ARGS = ("num_classes", "global_pool")
 _MODULES = ("timm.models.swin_transformer", "timm.models.swin_transformer_v2")
@@ -42,7 +44,7 @@ COSINE_GLOBAL_MODE_NOTE = (
 )
 
 
-class BlockWindowHook:
+class BlockWindowHook(WindowCallOwner):
     """Forward pre-hook on a Swin block: opens the call's `WindowCall` scope (grid of its [B, H, W, C] input)."""
 
     def __call__(self, block: nn.Module, args: tuple) -> None:
@@ -50,18 +52,17 @@ class BlockWindowHook:
         call = WindowCall((int(x.shape[1]), int(x.shape[2])), tuple(block.window_size), tuple(block.shift_size))
         open_window_call(self, call)
 
-    def current(self) -> WindowCall | None:
-        return current_window_call(self)
 
-
-class BlockWindowEnd:
+class BlockWindowEnd(WindowCallEnd):
     """Forward hook (always called) on a Swin block: its window-call scope ends with it."""
 
-    def __init__(self, hook: BlockWindowHook) -> None:
-        self.hook = hook
 
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
-        close_window_call(self.hook)
+def note_global_mode(replacement: nn.Module, site: AttentionSite) -> None:
+    """Say in the site's notes (so the report calls it approximate, and strict refuses it) when the replacement
+    runs `swin_mode='global'`, dropping the window bias (SwinV2: its CPB), locality and shift mask."""
+    note = COSINE_GLOBAL_MODE_NOTE if replacement.cosine else GLOBAL_MODE_NOTE
+    if replacement.mode == "global" and note not in site.notes:
+        site.notes.append(note)
 
 
 def reference_window_attention(carried: CarriedWindowAttention, x: torch.Tensor, mask: torch.Tensor | None):
@@ -84,14 +85,35 @@ def reference_window_attention(carried: CarriedWindowAttention, x: torch.Tensor,
     return carried.proj((torch.softmax(logits, -1) @ v).transpose(1, 2).reshape(B_, N, M * d))
 
 
-class TimmSwinAdapter(ModelAdapter):
+@torch.no_grad()
+def window_attention_error(
+    module: nn.Module,
+    carried: CarriedWindowAttention,
+    dim: int,
+    window: int,
+    call: Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor],
+) -> float:
+    """Largest relative error of `call(module, windows, mask)` against `reference_window_attention`, without and
+    under a random mask, on random [2·3, window, dim] windows (a half-precision module checked in float32)."""
+    probe = Probe.of(module, carried)
+    x = probe.randn(2 * 3, window, dim)
+    mask = torch.where(torch.rand(3, window, window, generator=probe.generator) < 0.3, -100.0, 0.0).to(x)
+    with eval_mode(probe.module):
+        errors = []
+        for m in (None, mask):
+            expected = call(probe.module, x, m)
+            got = reference_window_attention(probe.carried, x, m)
+            errors.append(float((got - expected).norm() / expected.norm()))
+    return max(errors)
+
+
+class TimmSwinAdapter(TimmStagedAdapter):
     """Converts timm Swin window attention to `WindowedVCA`; see the module docstring."""
 
     name = "timm-swin"
-    layers_run_alone = False  # grid/windows come from block hooks
 
     def __init__(self) -> None:
-        self._stages: dict[str, tuple[int, dict[str, Any]]] = {}  # site path -> (stage, report settings)
+        super().__init__()
         self._hooks: dict[str, BlockWindowHook] = {}  # block path -> its hook, for the built replacements
 
     @classmethod
@@ -109,17 +131,9 @@ class TimmSwinAdapter(ModelAdapter):
                     skipped.append(SkippedSite(path, type(attn).__name__, LAST_STAGE_REASON))
                 else:
                     settings = {"stage": i, "grid": list(block.input_resolution), "window": list(block.window_size)}
-                    self._stages[path] = (i, settings)
-                    notes = list(filter(None, [attention_dropout_note(attn)]))
-                    sites.append(AttentionSite(path, attn, index, attn.qkv.in_features, attn.num_heads, notes))
+                    sites.append(self.staged_site(path, attn, index, attn.qkv.in_features, attn.num_heads, i, settings))
                 index += 1
         return sites, skipped
-
-    def embedding_module(self, model: nn.Module) -> nn.Module:
-        return model.patch_embed
-
-    def layout_from_embedding(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> TokenLayout:
-        return TokenLayout(0, (int(output.shape[1]), int(output.shape[2])))  # NHWC: stage 1's grid
 
     def default_layout(self, model: nn.Module) -> TokenLayout | None:
         return TokenLayout(0, tuple(int(g) for g in model.patch_embed.grid_size))
@@ -147,9 +161,7 @@ class TimmSwinAdapter(ModelAdapter):
         block_path = site.path.rpartition(".")[0]
         hook = self._hooks.setdefault(block_path, BlockWindowHook())
         replacement.window_source = hook.current
-        note = COSINE_GLOBAL_MODE_NOTE if replacement.cosine else GLOBAL_MODE_NOTE
-        if replacement.mode == "global" and note not in site.notes:
-            site.notes.append(note)
+        note_global_mode(replacement, site)
 
     def install_layout_tracker(self, model: nn.Module):
         tracker = super().install_layout_tracker(model)
@@ -171,21 +183,10 @@ class TimmSwinAdapter(ModelAdapter):
         """The module must equal window attention built from its qkv, bias table (SwinV2: cosine scores, logit scale
         and CPB) and proj, under a shift mask."""
         module = site.module
-        weight = next(module.parameters())
-        if weight.is_meta:
+        if on_meta(module):
             return site
-        carried = self.carry(site)
-        module, carried = float32_copy(module, carried)  # checked in float32
         window = module.window_size[0] * module.window_size[1]
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(2 * 3, window, site.dim, generator=generator).to(next(module.parameters()))
-        mask = torch.where(torch.rand(3, window, window, generator=generator) < 0.3, -100.0, 0.0).to(x)
-        with eval_mode(module):
-            errors = []
-            for m in (None, mask):
-                expected = module(x, mask=m)
-                errors.append(float((reference_window_attention(carried, x, m) - expected).norm() / expected.norm()))
-        error = max(errors)
+        error = window_attention_error(module, self.carry(site), site.dim, window, lambda m, x, mask: m(x, mask=mask))
         return record_verdict(site, error, "window attention")
 
     def describe_base(self, model: nn.Module) -> dict[str, Any]:
@@ -196,7 +197,3 @@ class TimmSwinAdapter(ModelAdapter):
         if getattr(embed, "dynamic_img_size", False):
             args["dynamic_img_size"] = True
         return describe_timm_base(model, args)
-
-    @classmethod
-    def create_base(cls, description: dict[str, Any]) -> nn.Module:
-        return create_timm_base(description)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,6 +60,40 @@ def float32_copy(module: nn.Module, carried: CarriedAttention) -> tuple[nn.Modul
     return module.float(), carried
 
 
+def on_meta(module: nn.Module) -> bool:
+    """Whether `module` has no weights to probe (the meta device): verification then records no verdict."""
+    return next(module.parameters()).is_meta
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A module and its carried modules as verification probes them (float32 at least, `float32_copy`), with the
+    seeded generator every random probe input is drawn from, in order."""
+
+    module: nn.Module
+    carried: CarriedAttention
+    generator: torch.Generator
+
+    @classmethod
+    def of(cls, module: nn.Module, carried: CarriedAttention) -> Probe:
+        module, carried = float32_copy(module, carried)
+        return cls(module, carried, torch.Generator().manual_seed(0))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A parameter of the probed module: the device and dtype probe inputs take."""
+        return next(self.module.parameters())
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        """Standard-normal probe input of `shape`, drawn from the generator, on the module's device and dtype."""
+        return torch.randn(*shape, generator=self.generator).to(self.weight)
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖got − expected‖ / ‖expected‖ (the denominator floored at 1e-12)."""
+    return float((got - expected).norm() / expected.norm().clamp_min(1e-12))
+
+
 @torch.no_grad()
 def verification_error(
     module: nn.Module, carried: CarriedAttention, call: Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -68,14 +103,10 @@ def verification_error(
     Both run in float32 at least: a half-precision module (and the carried modules it shares) is checked on a
     float32 copy, so the verdict is about structure, not bf16/fp16 rounding (~4e-3 for bf16).
     """
-    weight = next(module.parameters())
-    if weight.is_meta:
+    if on_meta(module):
         return None
-    module, carried = float32_copy(module, carried)
-    weight = next(module.parameters())
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 1 + 4 * 4, carried.dim, generator=generator).to(weight)
-    with eval_mode(module):
-        expected = call(module, x)
-    got = reference_softmax_attention(carried, x)
-    return float((got - expected).norm() / expected.norm().clamp_min(1e-12))
+    probe = Probe.of(module, carried)
+    x = probe.randn(2, 1 + 4 * 4, carried.dim)
+    with eval_mode(probe.module):
+        expected = call(probe.module, x)
+    return relative_error(reference_softmax_attention(probe.carried, x), expected)

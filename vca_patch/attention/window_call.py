@@ -12,8 +12,10 @@ import math
 from collections.abc import Hashable
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from .windows import pad_grid, window_merge, window_partition
 
@@ -36,17 +38,21 @@ class WindowCall:
         (Hp, Wp), (kh, kw) = self.padded, self.window
         return (Hp // kh) * (Wp // kw)
 
-    def windows_to_grid(self, windows: torch.Tensor) -> torch.Tensor:
-        """[B·nW, kh·kw, C] windows of the shifted, padded grid -> the block's [B, H, W, C] grid (a copy)."""
+    def merge_windows(self, windows: torch.Tensor) -> torch.Tensor:
+        """[B·nW, kh·kw, C] windows -> the padded [B, Hp, Wp, C] grid they tile (still shifted, still padded); a
+        clear error when their count or size is not this call's."""
         kh, kw = self.window
         if windows.shape[1] != kh * kw or windows.shape[0] % self.num_windows:
             raise ValueError(
                 f"got {tuple(windows.shape[:2])} window tokens, expected (B·{self.num_windows}, {kh * kw}) for a "
                 f"{self.grid[0]}x{self.grid[1]} grid in {kh}x{kw} windows"
             )
+        return window_merge(windows.view(-1, self.num_windows, kh * kw, windows.shape[-1]), self.padded, self.window)
+
+    def windows_to_grid(self, windows: torch.Tensor) -> torch.Tensor:
+        """[B·nW, kh·kw, C] windows of the shifted, padded grid -> the block's [B, H, W, C] grid (a copy)."""
         H, W = self.grid
-        grid = window_merge(windows.view(-1, self.num_windows, kh * kw, windows.shape[-1]), self.padded, self.window)
-        grid = grid[:, :H, :W]
+        grid = self.merge_windows(windows)[:, :H, :W]
         return torch.roll(grid, shifts=self.shift, dims=(1, 2)) if any(self.shift) else grid.contiguous()
 
     def grid_to_windows(self, grid: torch.Tensor) -> torch.Tensor:
@@ -73,3 +79,22 @@ def close_window_call(owner: Hashable) -> None:
 
 def current_window_call(owner: Hashable) -> WindowCall | None:
     return (_CALLS.get() or {}).get(owner)
+
+
+class WindowCallOwner:
+    """Owns a windowed block's window-call scope (subclasses are the block's pre-hooks that open it): `current` is
+    the call it opened in this context, or None; a replacement reads it as its `window_source`."""
+
+    def current(self) -> WindowCall | None:
+        return current_window_call(self)
+
+
+class WindowCallEnd:
+    """Forward hook (register it with `always_call=True`) on a windowed block: `hook`'s window-call scope ends with
+    the block's call."""
+
+    def __init__(self, hook: WindowCallOwner) -> None:
+        self.hook = hook
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        close_window_call(self.hook)

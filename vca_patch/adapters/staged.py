@@ -1,0 +1,57 @@
+"""What the hierarchical-model adapters (Swin, PVT; timm and transformers) share: sites grouped by stage, whose
+replacements take their grid (and windows) from their block's call, and how each library's bases are rebuilt."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..attention import TokenLayout
+from .base import AttentionSite, ModelAdapter, attention_dropout_note
+from .hf_vision import HFVisionAdapter
+from .timm_base import create_timm_base
+
+
+class StagedAdapter(ModelAdapter):
+    """An adapter of a model in stages: each site's stage and report settings are kept for its carry, and its
+    replacement needs its block's call (grid, windows), so it never runs alone."""
+
+    layers_run_alone = False  # grid/windows come from block hooks
+
+    def __init__(self) -> None:
+        self._stages: dict[str, tuple[int, dict[str, Any]]] = {}  # site path -> (stage, report settings)
+
+    def staged_site(
+        self, path: str, attn: nn.Module, index: int, dim: int, num_heads: int, stage: int, settings: dict[str, Any]
+    ) -> AttentionSite:
+        """The site of `attn` (noting attention dropout, which VCA drops), its stage and report settings kept."""
+        self._stages[path] = (stage, settings)
+        notes = list(filter(None, [attention_dropout_note(attn)]))
+        return AttentionSite(path, attn, index, dim, num_heads, notes)
+
+
+class TimmStagedAdapter(StagedAdapter):
+    """A timm model in stages: its `patch_embed` returns [B, H, W, C] tokens (stage 1's grid); bases rebuilt by
+    timm."""
+
+    def embedding_module(self, model: nn.Module) -> nn.Module:
+        return model.patch_embed
+
+    def layout_from_embedding(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> TokenLayout:
+        return TokenLayout(0, (int(output.shape[1]), int(output.shape[2])))  # NHWC: stage 1's grid
+
+    @classmethod
+    def create_base(cls, description: dict[str, Any]) -> nn.Module:
+        return create_timm_base(description)
+
+
+class HFStagedAdapter(StagedAdapter):
+    """A transformers model in stages: its base described and rebuilt as `HFVisionAdapter` does."""
+
+    def describe_base(self, model: nn.Module) -> dict[str, Any]:
+        return HFVisionAdapter.describe_base(self, model)
+
+    @classmethod
+    def create_base(cls, description: dict[str, Any]) -> nn.Module:
+        return HFVisionAdapter.create_base(description)
