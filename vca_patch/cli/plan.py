@@ -59,6 +59,17 @@ def summary_table(result: PlanResult) -> Table:
     return table
 
 
+def over_budget_line(result: PlanResult) -> str | None:
+    """A warning when the chosen plan measured slower than the budget, else None."""
+    if not result.over_budget:
+        return None
+    return (
+        f"Measured {result.measured['latency_ratio']:.3f}x is over the {result.budget:g}x budget (predicted "
+        f"{result.chosen.latency:.3f}x). Batch-1 latency varies between runs: time the plan again with more "
+        "--repeats on an idle machine, or plan for a lower --budget."
+    )
+
+
 def plan(
     model: Annotated[str, typer.Argument(help="timm model name (e.g. vit_small_patch14_dinov2) or hf-hub:ORG/NAME")],
     calibration_data: Annotated[
@@ -130,6 +141,9 @@ def plan(
         fail(str(exc), 2)
     console.print(plan_table(result))
     console.print(summary_table(result))
+    warning = over_budget_line(result)
+    if warning:
+        console.print(f"[yellow]{warning}[/]", highlight=False)
     fd, tmp = tempfile.mkstemp(prefix=f".{png.name}.", suffix=".png", dir=png.parent)
     os.close(fd)
     try:

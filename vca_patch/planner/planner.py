@@ -42,6 +42,11 @@ class PlanResult:
     sensitivity: Sensitivity
     table: LatencyTable
 
+    @property
+    def over_budget(self) -> bool:
+        """The chosen plan's measured latency ratio is above the budget (its prediction was within it)."""
+        return bool(self.measured) and self.measured["latency_ratio"] > self.budget
+
     def details(self, model_name: str | None = None) -> dict[str, Any]:
         """JSON-safe record for the plan file."""
         return {
@@ -50,6 +55,7 @@ class PlanResult:
             "objective": self.objective,
             "chosen": self.chosen.to_dict(),
             "measured": self.measured,
+            "measured_over_budget": self.over_budget,
             "front": [c.to_dict() for c in self.front],
             "merging_front": [c.to_dict() for c in self.merging_front],
             "latency_table": self.table.to_dict(),
