@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import vca_patch
+from vca_patch.io.atomic import atomic_write_text
 from vca_patch.merging import MergeConfig
 from vca_patch.planner import candidates, choose_measured, model_info, pareto, plan_config
 from vca_patch.planner.costs import measure_latency_table
@@ -203,10 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             model, calib, held = _real(size, settings["calibration"], settings["eval_crops"])
         results["sizes"][str(size)] = run_size(model, calib, held, size, settings, log)
     stem = "planner_quick" if args.quick else "planner"
-    (args.results / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    atomic_write_text(args.results / f"{stem}.json", json.dumps(results, indent=2) + "\n")
     plot(results, args.results / f"{stem}.png")
     table = markdown(results)
-    (args.results / f"{stem}.md").write_text(table)
+    atomic_write_text(args.results / f"{stem}.md", table)
     print(table)
     return 0
 

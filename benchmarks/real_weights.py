@@ -34,6 +34,7 @@ from torch import nn
 
 import vca_patch
 from vca_patch.config import VCAConfig
+from vca_patch.io.atomic import atomic_write_text
 from vca_patch.real_weights import load_dinov2_small
 from vca_patch.real_weights.measure import fidelity, latency, tokens
 from vca_patch.real_weights.photos import (
@@ -285,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = "real_weights_quick" if args.quick else "real_weights"
     args.results.mkdir(parents=True, exist_ok=True)
     table = markdown(result)
-    (args.results / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.results / f"{stem}.md").write_text(table)
+    atomic_write_text(args.results / f"{stem}.json", json.dumps(result, indent=2) + "\n")
+    atomic_write_text(args.results / f"{stem}.md", table)
     try:
         write_plot(result, args.results / f"{stem}.png")
     except ImportError:

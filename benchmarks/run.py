@@ -35,6 +35,7 @@ from vca_patch.bench.report import crossover_lines, ratios_table, results_table,
 from vca_patch.bench.sweep import malloc_setting
 from vca_patch.cli.common import console
 from vca_patch.config import VCAConfig
+from vca_patch.io.atomic import atomic_write_text
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -187,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = check(results, patch)
     for target, met, numbers in rows:
         console.print(f"{'[green]met[/]    ' if met else '[red]NOT met[/]'} {target}: {numbers}")
-    (args.results / f"targets{suffix}.json").write_text(
-        json.dumps([{"target": t, "met": m, "value": v} for t, m, v in rows], indent=2) + "\n"
+    atomic_write_text(
+        args.results / f"targets{suffix}.json",
+        json.dumps([{"target": t, "met": m, "value": v} for t, m, v in rows], indent=2) + "\n",
     )
     return 0
 

@@ -46,6 +46,7 @@ from torch.utils.data import TensorDataset
 
 import vca_patch
 from vca_patch.config import VCAConfig
+from vca_patch.io.atomic import atomic_write_text
 from vca_patch.real_weights import load_dinov2_small
 from vca_patch.real_weights.measure import fidelity, latency, tokens
 from vca_patch.real_weights.photos import CALIBRATION_PHOTOS, calibration_images, evaluation_images
@@ -234,8 +235,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(table, end="")
     if args.output is not None:
         args.output.mkdir(parents=True, exist_ok=True)
-        (args.output / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-        (args.output / "table.md").write_text(table)
+        atomic_write_text(args.output / "results.json", json.dumps(result, indent=2) + "\n")
+        atomic_write_text(args.output / "table.md", table)
     return result
 
 

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 import vca_patch
 from vca_patch.data.fashion_mnist import load_fashion_mnist
 from vca_patch.fidelity import fidelity
+from vca_patch.io.atomic import atomic_write_text
 from vca_patch.recovery import calibrate
 from vca_patch.train import finetune, recipe_from_dict
 from vca_patch.train.classifier import evaluate_top1, train_classifier
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
         "threads": args.threads,
         "quick": args.quick,
     }
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     print(json.dumps({k: metrics[k] for k in ("teacher_top1", "before_top1", "after_top1", "agreement_after")}))
     print(f"timings: {json.dumps({k: round(v) for k, v in timings.items()})}")
     return metrics
