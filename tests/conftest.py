@@ -36,3 +36,30 @@ def connections(monkeypatch):
     monkeypatch.setattr(socket.socket, "connect", connect)
     monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
     return attempts
+
+
+# Helper modules whose checks use plain `assert`: pytest rewrites them for readable failures.
+pytest.register_assert_rewrite("tests.helpers_hierarchical")
+
+
+@pytest.fixture
+def diffusers_loadable(monkeypatch):
+    """Register the diffusers base check with io.config_guard when the io package does not know it yet."""
+    from vca_patch.adapters.diffusers_dit import check_diffusers_base
+    from vca_patch.io import config_guard
+
+    if "diffusers-dit" not in config_guard.ADAPTER_LIBRARIES:
+        monkeypatch.setitem(config_guard.ADAPTER_LIBRARIES, "diffusers-dit", "diffusers")
+        monkeypatch.setitem(config_guard._BASE_CHECKS, "diffusers", check_diffusers_base)
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """A fake Hub on 127.0.0.1 (tests/test_hub_fakehub.py), huggingface_hub pointed at it online, fresh cache."""
+    from tests.test_hub_contract import _point_at
+    from tests.test_hub_fakehub import FakeHub
+
+    fake = FakeHub().start()
+    _point_at(monkeypatch, fake.url, tmp_path / "hf-cache")
+    yield fake
+    fake.stop()

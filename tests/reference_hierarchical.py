@@ -36,6 +36,30 @@ def _layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -
     return (x - mean) / torch.sqrt(var + eps) * w + b
 
 
+def contrast_stages(
+    module, g: dict[str, torch.Tensor], qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+    tp: torch.Tensor, tn: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """Both VCA stages in float64 from queries qh [B, N, M, d], keys/values kh, vh [B, S, M, d] and contrast tokens
+    tp, tn [B, n, M, d]: Stage I v̂ = (1−λ)·RMS(softmax(scale·t₊kᵀ)v − λ₁·softmax(scale·t₋kᵀ)v), Stage II the joint
+    softmax(scale·τ·q·t±ᵀ) read of v̂, (1−λ)·RMS -> [B, N, M·d] (before the DWC and the projection)."""
+    B, N, M, d = qh.shape
+    n = tp.shape[1]
+    li = 0.8 - 0.6 * math.exp(-0.3 * module.layer_index)
+    lam1, lam2 = _lam(module.lambda1, li), _lam(module.lambda2, li)
+
+    up = torch.einsum("bmij,bjmd->bmid", _softmax(scale * torch.einsum("bimd,bjmd->bmij", tp, kh)), vh)
+    un = torch.einsum("bmij,bjmd->bmid", _softmax(scale * torch.einsum("bimd,bjmd->bmij", tn, kh)), vh)
+    vhat = (1 - li) * _rms(up - lam1 * un, g["stage1_norm.weight"], module.stage1_norm.eps)
+
+    tau = g["stage2_temperature"].view(1, M, 1, 1) if "stage2_temperature" in g else 1.0
+    lp = scale * tau * torch.einsum("bimd,bjmd->bmij", qh, tp)
+    ln_ = scale * tau * torch.einsum("bimd,bjmd->bmij", qh, tn)
+    joint = _softmax(torch.cat([lp, ln_], dim=-1))
+    o = torch.einsum("bmij,bmjd->bmid", joint[..., :n] - lam2 * joint[..., n:], vhat)
+    return (1 - li) * _rms(o, g["stage2_norm.weight"], module.stage2_norm.eps).permute(0, 2, 1, 3).reshape(B, N, M * d)
+
+
 def reference_reduction_vca(module, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
     """`SpatialReductionVCA` in float64: x [B, H·W, C] on `grid`, module holding q, kv, sr, norm, proj + VCA."""
     g = {k: v.detach().double() for k, v in module.state_dict().items()}
@@ -45,8 +69,6 @@ def reference_reduction_vca(module, x: torch.Tensor, grid: tuple[int, int]) -> t
     H, W = grid
     h, w = module.contrast_grid
     n = h * w
-    li = 0.8 - 0.6 * math.exp(-0.3 * module.layer_index)
-    s = d**-0.5
 
     q = x @ g["q.weight"].T + g["q.bias"]
     R = module.sr.stride[0]
@@ -59,18 +81,7 @@ def reference_reduction_vca(module, x: torch.Tensor, grid: tuple[int, int]) -> t
     t = _pool(q.reshape(B, H, W, C), h, w)
     tp, tn = ((t + g[name]).reshape(B, n, M, d) for name in ("contrast_embed_pos", "contrast_embed_neg"))
     qh, kh, vh = q.reshape(B, N, M, d), k.reshape(B, -1, M, d), v.reshape(B, -1, M, d)
-    lam1, lam2 = _lam(module.lambda1, li), _lam(module.lambda2, li)
-
-    up = torch.einsum("bmij,bjmd->bmid", _softmax(s * torch.einsum("bimd,bjmd->bmij", tp, kh)), vh)
-    un = torch.einsum("bmij,bjmd->bmid", _softmax(s * torch.einsum("bimd,bjmd->bmij", tn, kh)), vh)
-    vhat = (1 - li) * _rms(up - lam1 * un, g["stage1_norm.weight"], module.stage1_norm.eps)
-
-    tau = g["stage2_temperature"].view(1, M, 1, 1) if "stage2_temperature" in g else 1.0
-    lp = s * tau * torch.einsum("bimd,bjmd->bmij", qh, tp)
-    ln_ = s * tau * torch.einsum("bimd,bjmd->bmij", qh, tn)
-    joint = _softmax(torch.cat([lp, ln_], dim=-1))
-    o = torch.einsum("bmij,bmjd->bmid", joint[..., :n] - lam2 * joint[..., n:], vhat)
-    o = (1 - li) * _rms(o, g["stage2_norm.weight"], module.stage2_norm.eps).permute(0, 2, 1, 3).reshape(B, N, C)
+    o = contrast_stages(module, g, qh, kh, vh, tp, tn, d**-0.5)
 
     v_up = bilinear_upsample(v.reshape(B, rh, rw, C), (H, W))
     o = o + _depthwise3x3(v_up, g["dwc.weight"], g["dwc.bias"]).reshape(B, N, C)

@@ -1,7 +1,8 @@
 """Independent float64 references for SwinV2: cosine window attention with the continuous position bias (CPB) and
 the cosine form of VCA the Swin conversion uses (pooled normalised queries, renormalised, scaled by L per head).
 
-Shares no code with `vca_patch`: the CPB MLP, the pair index, cosine scores and both VCA stages are written out.
+Shares no code with `vca_patch`: the CPB MLP, the pair index and cosine scores are written out here, both VCA
+stages come from `tests.reference_hierarchical` (with a scale of 1: cosine logits).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import math
 
 import torch
 
-from tests.reference_vca import _depthwise3x3, _lam, _pool, _rms, _softmax
+from tests.reference_hierarchical import contrast_stages
+from tests.reference_vca import _depthwise3x3, _pool, _softmax
 
 
 def qkv_weights(g: dict[str, torch.Tensor], C: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +77,6 @@ def reference_cosine_vca(module, x: torch.Tensor, grid: tuple[int, int]) -> torc
     H, W = grid
     h, w = module.contrast_grid
     n = h * w
-    li = 0.8 - 0.6 * math.exp(-0.3 * module.layer_index)
     weight, bias = qkv_weights(g, C)
     qkv = x @ weight.T + bias
     q, k, v = qkv[..., :C], qkv[..., C : 2 * C], qkv[..., 2 * C :]
@@ -89,15 +90,6 @@ def reference_cosine_vca(module, x: torch.Tensor, grid: tuple[int, int]) -> torc
     t = t / t.norm(dim=-1, keepdim=True) * L[None, None, :, None]
     tp = t + g["contrast_embed_pos"].reshape(1, n, M, d)
     tn = t + g["contrast_embed_neg"].reshape(1, n, M, d)
-    lam1, lam2 = _lam(module.lambda1, li), _lam(module.lambda2, li)
-    up = torch.einsum("bmij,bjmd->bmid", _softmax(torch.einsum("bimd,bjmd->bmij", tp, kh)), vh)
-    un = torch.einsum("bmij,bjmd->bmid", _softmax(torch.einsum("bimd,bjmd->bmij", tn, kh)), vh)
-    vhat = (1 - li) * _rms(up - lam1 * un, g["stage1_norm.weight"], module.stage1_norm.eps)
-    tau = g["stage2_temperature"].view(1, M, 1, 1) if "stage2_temperature" in g else 1.0
-    lp = tau * torch.einsum("bimd,bjmd->bmij", qh, tp)
-    ln_ = tau * torch.einsum("bimd,bjmd->bmij", qh, tn)
-    joint = _softmax(torch.cat([lp, ln_], dim=-1))
-    o = torch.einsum("bmij,bmjd->bmid", joint[..., :n] - lam2 * joint[..., n:], vhat)
-    o = (1 - li) * _rms(o, g["stage2_norm.weight"], module.stage2_norm.eps).permute(0, 2, 1, 3).reshape(B, N, C)
+    o = contrast_stages(module, g, qh, kh, vh, tp, tn, 1.0)  # cosine logits: no d^-1/2 (L and τ scale them)
     o = o + _depthwise3x3(v.reshape(B, H, W, C), g["dwc.weight"], g["dwc.bias"]).reshape(B, N, C)
     return o @ g["proj.weight"].T + g["proj.bias"] if "proj.weight" in g else o

@@ -11,6 +11,15 @@ diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed 
 
 from diffusers.models.attention_processor import AttnProcessor2_0  # noqa: E402
 
+from tests.helpers_diffusers import (  # noqa: E402
+    attention_processors,
+    denoise,
+    latent,
+    patch_save_reload,
+    processor_impostor,
+    record_grids,
+    tiny_vae,
+)
 from tests.reference_vca import reference_vca  # noqa: E402
 from vca_patch import VCAConfig, patch_model, unpatch_model  # noqa: E402
 from vca_patch.adapters import adapter_for  # noqa: E402
@@ -39,14 +48,6 @@ def tiny_pixart() -> torch.nn.Module:
     ).eval()  # fmt: skip
 
 
-def tiny_vae() -> torch.nn.Module:
-    torch.manual_seed(1)
-    return diffusers.AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
-        block_out_channels=(8,), layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=16,
-    ).eval()  # fmt: skip
-
-
 def dit_call(model, latent):
     B = latent.shape[0]
     return model(latent, timestep=torch.arange(B) * 7 + 3, class_labels=torch.arange(B) % 10).sample
@@ -56,10 +57,6 @@ def pixart_call(model, latent):
     B = latent.shape[0]
     text = torch.randn(B, 5, 24, generator=torch.Generator().manual_seed(3)).to(latent)
     return model(latent, encoder_hidden_states=text, timestep=torch.arange(B) * 7 + 3, added_cond_kwargs={}).sample
-
-
-def latent(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 # -- classification and verification ------------------------------------------------------------------------
@@ -98,16 +95,6 @@ def test_verification_reference_matches_the_diffusers_processor_in_float64():
         assert ((got - expected).norm() / expected.norm()) < 5e-15  # measured 2e-16
 
 
-class AttnProcessor2_0Impostor(AttnProcessor2_0):
-    """A processor that passes the name check but computes something else."""
-
-    def __call__(self, attn, hidden_states, *args, **kwargs):
-        return 2 * super().__call__(attn, hidden_states, *args, **kwargs)
-
-
-AttnProcessor2_0Impostor.__name__ = "AttnProcessor2_0"
-
-
 def test_unknown_and_wrong_processors_are_skipped_with_why():
     model = tiny_dit()
 
@@ -115,7 +102,7 @@ def test_unknown_and_wrong_processors_are_skipped_with_why():
         pass
 
     model.transformer_blocks[0].attn1.set_processor(IPAdapterLike())
-    model.transformer_blocks[1].attn1.set_processor(AttnProcessor2_0Impostor())
+    model.transformer_blocks[1].attn1.set_processor(processor_impostor(AttnProcessor2_0, lambda out: 2 * out)())
     with pytest.raises(NothingToPatchError) as info:
         patch_model(model, CONFIG)
     message = str(info.value)
@@ -159,7 +146,7 @@ def test_sd3_image_self_attention_converted():  # its joint attention: tests/tes
 def test_processor_swap_keeps_state_dict_names_and_unpatch_is_bit_identical():
     model = tiny_pixart()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    processors = {p: m.processor for p, m in model.named_modules() if hasattr(m, "processor")}
+    processors = attention_processors(model)
     x = latent(2, 4, 16, 24)
     with torch.no_grad():
         reference = pixart_call(model, x)
@@ -177,8 +164,8 @@ def test_processor_swap_keeps_state_dict_names_and_unpatch_is_bit_identical():
     assert patched.isfinite().all() and not torch.allclose(patched, reference)
 
     unpatch_model(model)
-    assert {p: m.processor for p, m in model.named_modules() if hasattr(m, "processor")} == processors
-    assert all(m.processor is processors[p] for p, m in model.named_modules() if hasattr(m, "processor"))
+    assert attention_processors(model) == processors
+    assert all(processor is processors[p] for p, processor in attention_processors(model).items())
     restored = model.state_dict()
     assert list(restored) == list(before) and all(torch.equal(restored[k], v) for k, v in before.items())
     with torch.no_grad():
@@ -247,13 +234,6 @@ def test_processor_refuses_cross_attention_and_masks():
 # -- layout and pipelines ---------------------------------------------------------------------------------
 
 
-def _record_grids(model) -> list[tuple[int, int]]:
-    grids: list[tuple[int, int]] = []
-    for processor in patched_processors(model).values():
-        processor.layer.register_forward_hook(lambda m, a, o: grids.append(m.layout_source().grid))
-    return grids
-
-
 def test_dit_pipeline_runs_patched_at_two_resolutions():
     transformer = tiny_dit(num_classes=1000)  # DiTPipeline's classifier-free guidance uses class 1000 as null
     pipe = diffusers.DiTPipeline(transformer=transformer, vae=tiny_vae(), scheduler=diffusers.DDIMScheduler())
@@ -266,7 +246,7 @@ def test_dit_pipeline_runs_patched_at_two_resolutions():
 
     reference = generate()
     patch_model(transformer, CONFIG)
-    grids = _record_grids(transformer)
+    grids = record_grids(transformer)
     images = generate()
     assert images.shape == reference.shape == (2, 16, 16, 3)
     assert images.isfinite().all() and not torch.allclose(images, reference)
@@ -274,20 +254,18 @@ def test_dit_pipeline_runs_patched_at_two_resolutions():
 
     # A second resolution: 24x24 latents (DiT's own unpatchify needs a square latent), a hand-written DDIM loop.
     grids.clear()
-    scheduler = diffusers.DDIMScheduler()
-    scheduler.set_timesteps(3)
-    sample = latent(1, 4, 24, 24)
-    with torch.no_grad():
-        for t in scheduler.timesteps:
-            eps = transformer(sample, timestep=t.expand(1), class_labels=torch.tensor([7])).sample[:, :4]
-            sample = scheduler.step(eps, t, sample).prev_sample
+
+    def eps(sample, t):
+        return transformer(sample, timestep=t.expand(1), class_labels=torch.tensor([7])).sample[:, :4]
+
+    sample = denoise(diffusers.DDIMScheduler(), latent(1, 4, 24, 24), eps)
     assert sample.isfinite().all() and grids == [(12, 12)] * (3 * 2)
 
 
 def test_pixart_pipeline_runs_patched_on_a_non_square_latent():
     transformer = tiny_pixart()
     patch_model(transformer, CONFIG)
-    grids = _record_grids(transformer)
+    grids = record_grids(transformer)
     pipe = diffusers.PixArtAlphaPipeline(
         tokenizer=None, text_encoder=None, vae=tiny_vae(), transformer=transformer,
         scheduler=diffusers.DPMSolverMultistepScheduler(),
@@ -307,38 +285,17 @@ def test_pixart_pipeline_runs_patched_on_a_non_square_latent():
 # -- checkpoints ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def diffusers_loadable(monkeypatch):
-    """Register the diffusers base check with io.config_guard when the io package does not know it yet."""
-    from vca_patch.io import config_guard
-
-    if "diffusers-dit" not in config_guard.ADAPTER_LIBRARIES:
-        monkeypatch.setitem(config_guard.ADAPTER_LIBRARIES, "diffusers-dit", "diffusers")
-        monkeypatch.setitem(config_guard._BASE_CHECKS, "diffusers", check_diffusers_base)
-
-
 @pytest.mark.parametrize("form", ["merged", "delta"])
 def test_save_and_reload_give_identical_outputs(tmp_path, diffusers_loadable, form):
-    from safetensors.torch import load_file, save_file
-
-    from vca_patch.io.checkpoint import from_pretrained, save_pretrained
-
-    model = tiny_pixart()
-    base = tmp_path / "base.safetensors"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(base))
-    patch_model(model, CONFIG)
-    x = latent(2, 4, 16, 24)
-    with torch.no_grad():
-        expected = pixart_call(model, x)
-    options = {"form": "delta", "base_weights": base} if form == "delta" else {}
-    save_pretrained(model, tmp_path / "ckpt", **options)
-    loaded = from_pretrained(tmp_path / "ckpt", **({"base_weights": base} if form == "delta" else {}))
+    model, x = tiny_pixart(), latent(2, 4, 16, 24)
+    reloaded = patch_save_reload(model, CONFIG, form, tmp_path, lambda m: pixart_call(m, x))
+    loaded = reloaded.model
     assert type(loaded) is type(model)
     assert sorted(patched_processors(loaded)) == sorted(patched_processors(model))
     with torch.no_grad():
-        assert torch.equal(pixart_call(loaded, x), expected)
+        assert torch.equal(pixart_call(loaded, x), reloaded.expected)
     if form == "delta":
-        stored = load_file(str(tmp_path / "ckpt" / "delta.safetensors"))
+        stored = reloaded.delta
         assert stored and all(".vca." in k for k in stored)  # only the new attention parameters
 
 

@@ -13,9 +13,26 @@ diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed 
 
 from diffusers.models.attention_processor import JointAttnProcessor2_0  # noqa: E402
 
+from tests.helpers_diffusers import (  # noqa: E402
+    attention_processors,
+    denoise,
+    flux_call,
+    flux_denoise,
+    flux_inputs,
+    flux_rotary,
+    image_ids,
+    latent,
+    patch_save_reload,
+    processor_impostor,
+    record_grids,
+    reference_rope,
+    rel,
+    tiny_flux,
+    tiny_vae,
+)
 from tests.reference_vca import _depthwise3x3, _lam, _pool, _rms, _softmax  # noqa: E402
 from vca_patch import MANOConfig, VCAConfig, patch_model, unpatch_model  # noqa: E402
-from vca_patch.adapters.diffusers_dit import DiffusersDiTAdapter, check_diffusers_base, patched_processors  # noqa: E402
+from vca_patch.adapters.diffusers_dit import DiffusersDiTAdapter, patched_processors  # noqa: E402
 from vca_patch.adapters.diffusers_joint import carry_joint, reference_joint_attention  # noqa: E402
 from vca_patch.adapters.diffusers_processor import JointLayerProcessor  # noqa: E402
 from vca_patch.attention import TokenLayout  # noqa: E402
@@ -36,18 +53,10 @@ def tiny_sd3(qk_norm: str | None = None, dual: tuple[int, ...] = ()) -> torch.nn
     ).eval()  # fmt: skip
 
 
-def latent(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
 def sd3_call(model, x, seed=3):
     B = x.shape[0]
     text, pooled = latent(B, 7, 24, seed=seed).to(x), latent(B, 12, seed=seed + 1).to(x)
     return model(x, encoder_hidden_states=text, pooled_projections=pooled, timestep=torch.arange(B) * 50 + 5).sample
-
-
-def rel(got, expected) -> float:
-    return float((got - expected).detach().norm() / expected.detach().norm())
 
 
 # -- classification and verification ------------------------------------------------------------------------
@@ -84,24 +93,14 @@ def test_reference_matches_joint_processor_in_float64_with_text_at_either_end(qk
             assert rel(got[0], expected[0]) < 2e-15 and rel(got[1], expected[1]) < 2e-15  # measured 3e-16
 
 
-class SwappedJointProcessor(JointAttnProcessor2_0):
-    """Passes the name check; scales the text stream (a wrong text path)."""
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, *args, **kwargs):
-        image, text = super().__call__(attn, hidden_states, encoder_hidden_states, *args, **kwargs)
-        return image, 1.01 * text
-
-
-SwappedJointProcessor.__name__ = "JointAttnProcessor2_0"
-
-
 def test_wrong_and_unknown_joint_processors_are_skipped_with_why():
     model = tiny_sd3()
 
     class IPAdapterJoint(JointAttnProcessor2_0):
         pass
 
-    model.transformer_blocks[0].attn.set_processor(SwappedJointProcessor())
+    swapped = processor_impostor(JointAttnProcessor2_0, lambda out: (out[0], 1.01 * out[1]))  # a wrong text path
+    model.transformer_blocks[0].attn.set_processor(swapped())
     model.transformer_blocks[1].attn.set_processor(IPAdapterJoint())
     with pytest.raises(NothingToPatchError) as info:
         patch_model(model, CONFIG)
@@ -138,13 +137,6 @@ def test_text_stream_is_exact_whatever_the_vca_parameters():
             assert rel(got[0], expected[path][0]) > 1e-2
 
 
-def _rope(x, cos, sin):
-    """[B, S, M, d] rotated by interleaved pairs: (x₀, x₁) -> (x₀cos − x₁sin, x₁cos + x₀sin)."""
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    c, s = cos[None, :, None, 0::2], sin[None, :, None, 0::2]
-    return torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1).flatten(-2)
-
-
 def reference_joint_vca(attn, layer, x, c, grid, rotary=None):
     """Joint VCA in float64 from the attention's weights and its `vca` parameters, image first as SD3 orders it:
     text rows read all keys with softmax attention; image rows run VCA with contrast tokens pooled from the
@@ -169,8 +161,8 @@ def reference_joint_vca(attn, layer, x, c, grid, rotary=None):
     )
     if rotary is not None:  # (cos, sin) [L + N, d], text first (Flux); contrast tokens pooled after rotation
         cos, sin = (t.double() for t in rotary)
-        q, k = (_rope(t, cos[L:], sin[L:]) for t in (q, k))
-        tq, tk = (_rope(t, cos[:L], sin[:L]) for t in (tq, tk))
+        q, k = (reference_rope(t, cos[L:], sin[L:]) for t in (q, k))
+        tq, tk = (reference_rope(t, cos[:L], sin[:L]) for t in (tq, tk))
     keys, values = torch.cat([k, tk], 1), torch.cat([v, tv], 1)  # [B, N + L, M, d]
 
     pooled = _pool(q.reshape(B, H, W, C), h, w)  # [B, n, C]
@@ -220,25 +212,16 @@ def test_patched_joint_attention_matches_float64_reference(qk_norm, grid):
 # -- the model: denoising, unpatch, names, training, checkpoints ------------------------------------------
 
 
-def _record_grids(model) -> list[tuple[int, int]]:
-    grids: list[tuple[int, int]] = []
-    for processor in patched_processors(model).values():
-        processor.layer.register_forward_hook(lambda m, a, o: grids.append(m.layout_source().grid))
-    return grids
-
-
 def test_flow_matching_denoising_runs_patched_on_a_non_square_latent():
     model = tiny_sd3("rms_norm", dual=(0,))
     patch_model(model, CONFIG)
-    grids = _record_grids(model)
-    scheduler = diffusers.FlowMatchEulerDiscreteScheduler()
-    scheduler.set_timesteps(3)
-    sample = latent(2, 4, 16, 24)
+    grids = record_grids(model)
     text, pooled = latent(2, 7, 24, seed=3), latent(2, 12, seed=4)
-    with torch.no_grad():
-        for t in scheduler.timesteps:
-            velocity = model(sample, encoder_hidden_states=text, pooled_projections=pooled, timestep=t.expand(2)).sample
-            sample = scheduler.step(velocity, t, sample).prev_sample
+
+    def velocity(sample, t):
+        return model(sample, encoder_hidden_states=text, pooled_projections=pooled, timestep=t.expand(2)).sample
+
+    sample = denoise(diffusers.FlowMatchEulerDiscreteScheduler(), latent(2, 4, 16, 24), velocity)
     assert sample.shape == (2, 4, 16, 24) and sample.isfinite().all()
     assert grids == [(8, 12)] * (3 * 3)  # H/p x W/p, 3 steps x 3 patched attentions
 
@@ -246,12 +229,7 @@ def test_flow_matching_denoising_runs_patched_on_a_non_square_latent():
 def test_sd3_pipeline_runs_patched():
     transformer = tiny_sd3()
     patch_model(transformer, CONFIG)
-    torch.manual_seed(1)
-    vae = diffusers.AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
-        block_out_channels=(8,), layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=16,
-        shift_factor=0.0, scaling_factor=1.0,
-    ).eval()  # fmt: skip
+    vae = tiny_vae(shift_factor=0.0, scaling_factor=1.0)
     pipe = diffusers.StableDiffusion3Pipeline(
         transformer=transformer, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None,
         tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None,
@@ -269,7 +247,7 @@ def test_sd3_pipeline_runs_patched():
 def test_names_kept_and_unpatch_is_bit_identical():
     model = tiny_sd3("rms_norm", dual=(0,))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    processors = {p: m.processor for p, m in model.named_modules() if hasattr(m, "processor")}
+    processors = attention_processors(model)
     x = latent(2, 4, 16, 24)
     with torch.no_grad():
         reference = sd3_call(model, x)
@@ -285,7 +263,7 @@ def test_names_kept_and_unpatch_is_bit_identical():
     assert patched.isfinite().all() and rel(patched, reference) > 1e-3
 
     unpatch_model(model)
-    assert all(m.processor is processors[p] for p, m in model.named_modules() if hasattr(m, "processor"))
+    assert all(processor is processors[p] for p, processor in attention_processors(model).items())
     restored = model.state_dict()
     assert list(restored) == list(before) and all(torch.equal(restored[k], v) for k, v in before.items())
     with torch.no_grad():
@@ -330,40 +308,19 @@ def test_bfloat16_model_patches_and_runs():
     assert out.dtype == torch.bfloat16 and out.isfinite().all()
 
 
-@pytest.fixture
-def diffusers_loadable(monkeypatch):
-    """Register the diffusers base check with io.config_guard when the io package does not know it yet."""
-    from vca_patch.io import config_guard
-
-    if "diffusers-dit" not in config_guard.ADAPTER_LIBRARIES:
-        monkeypatch.setitem(config_guard.ADAPTER_LIBRARIES, "diffusers-dit", "diffusers")
-        monkeypatch.setitem(config_guard._BASE_CHECKS, "diffusers", check_diffusers_base)
-
-
 @pytest.mark.parametrize("form", ["merged", "delta"])
 def test_save_and_reload_give_identical_outputs(tmp_path, diffusers_loadable, form):
-    from safetensors.torch import load_file, save_file
-
-    from vca_patch.io.checkpoint import from_pretrained, save_pretrained
-
-    model = tiny_sd3("rms_norm", dual=(0,))
-    base = tmp_path / "base.safetensors"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(base))
-    patch_model(model, CONFIG)
-    x = latent(2, 4, 16, 24)
-    with torch.no_grad():
-        expected = sd3_call(model, x)
-    options = {"form": "delta", "base_weights": base} if form == "delta" else {}
-    save_pretrained(model, tmp_path / "ckpt", **options)
-    loaded = from_pretrained(tmp_path / "ckpt", **({"base_weights": base} if form == "delta" else {}))
+    model, x = tiny_sd3("rms_norm", dual=(0,)), latent(2, 4, 16, 24)
+    reloaded = patch_save_reload(model, CONFIG, form, tmp_path, lambda m: sd3_call(m, x))
+    loaded = reloaded.model
     assert type(loaded) is type(model) and isinstance(DiffusersDiTAdapter(), DiffusersDiTAdapter)
     assert {p: type(q) for p, q in patched_processors(loaded).items()} == {
         p: type(q) for p, q in patched_processors(model).items()
     }
     with torch.no_grad():
-        assert torch.equal(sd3_call(loaded, x), expected)
+        assert torch.equal(sd3_call(loaded, x), reloaded.expected)
     if form == "delta":
-        stored = load_file(str(tmp_path / "ckpt" / "delta.safetensors"))
+        stored = reloaded.delta
         assert stored and all(".vca." in k for k in stored)  # only the new attention parameters
         assert any(k.startswith(f"{JOINT[0]}.vca.") for k in stored)
 
@@ -374,34 +331,8 @@ FLUX_DOUBLE = ["transformer_blocks.0.attn", "transformer_blocks.1.attn"]
 FLUX_SINGLE = "single_transformer_blocks.0.attn"
 
 
-def tiny_flux() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=24, pooled_projection_dim=12, axes_dims_rope=(4, 6, 6),
-    ).eval()  # fmt: skip
-
-
-def image_ids(H, W, offset=0):
-    rows, cols = torch.arange(H).repeat_interleave(W), torch.arange(W).repeat(H)
-    return torch.stack([torch.zeros_like(rows), rows + offset, cols], -1).float()
-
-
-def flux_call(model, x, grid, seed=3):
-    B = x.shape[0]
-    text, pooled = latent(B, 7, 24, seed=seed).to(x), latent(B, 12, seed=seed + 1).to(x)
-    return model(
-        hidden_states=x, encoder_hidden_states=text, pooled_projections=pooled, timestep=torch.full((B,), 0.5),
-        img_ids=image_ids(*grid), txt_ids=torch.zeros(7, 3),
-    ).sample  # fmt: skip
-
-
-def flux_rotary(model, L, grid):
-    return model.pos_embed(torch.cat([torch.zeros(L, 3), image_ids(*grid)]))
-
-
 def test_flux_double_blocks_patched_single_blocks_too():  # single-stream: tests/test_diffusers_single_stream.py
-    model = tiny_flux()
+    model = tiny_flux(num_single_layers=1)
     report = patch_model(model, CONFIG)
     assert [s.path for s in report.patched] == [*FLUX_DOUBLE, FLUX_SINGLE]
     assert [s.layer_index for s in report.patched] == [0, 1, 2] and not report.skipped
@@ -411,7 +342,7 @@ def test_flux_double_blocks_patched_single_blocks_too():  # single-stream: tests
 
 
 def test_flux_reference_matches_processor_with_rotary_and_text_first():
-    model = tiny_flux()
+    model = tiny_flux(num_single_layers=1)
     grid, L = (3, 5), 6
     image, text = latent(2, 15, 32), latent(2, L, 32, seed=1)
     rotary = flux_rotary(model, L, grid)
@@ -426,7 +357,7 @@ def test_flux_reference_matches_processor_with_rotary_and_text_first():
 
 
 def test_flux_patched_attention_matches_float64_reference_and_text_is_exact():
-    model = tiny_flux()
+    model = tiny_flux(num_single_layers=1)
     grid, L = (6, 10), 6
     x, c = latent(2, 60, 32), latent(2, L, 32, seed=1)
     rotary = flux_rotary(model, L, grid)
@@ -453,7 +384,7 @@ def test_rope_one_token_cells_rotate_contrast_tokens_as_the_tokens_themselves():
     e± = 0, both rope_contrast modes compute the same layer); with e± ≠ 0 "centre" also rotates e±."""
     from vca_patch.attention.joint_vca import JointInputs, rotate
 
-    model = tiny_flux()
+    model = tiny_flux(num_single_layers=1)
     patch_model(model, CONFIG)
     model.double()
     grid, L = (4, 4), 5  # contrast_tokens = 16: one token per cell
@@ -486,7 +417,7 @@ def test_rope_one_token_cells_rotate_contrast_tokens_as_the_tokens_themselves():
 def test_flux_denoising_layout_from_img_ids_unpatch_and_reload(tmp_path, diffusers_loadable):
     from vca_patch.io.checkpoint import from_pretrained, save_pretrained
 
-    model = tiny_flux()
+    model = tiny_flux(num_single_layers=1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     grid, x = (6, 10), latent(2, 60, 16)
     with torch.no_grad():
@@ -494,17 +425,9 @@ def test_flux_denoising_layout_from_img_ids_unpatch_and_reload(tmp_path, diffuse
     patch_model(model, CONFIG)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     assert all(".attn.vca." in k for k in set(model.state_dict()) - set(before))
-    grids = _record_grids(model)
-    scheduler = diffusers.FlowMatchEulerDiscreteScheduler()
-    scheduler.set_timesteps(3)
-    sample, text, pooled = x.clone(), latent(2, 7, 24, seed=3), latent(2, 12, seed=4)
+    grids = record_grids(model)
+    sample, (text, pooled) = flux_denoise(model, x, grid), flux_inputs(2)
     with torch.no_grad():
-        for t in scheduler.timesteps:
-            velocity = model(
-                hidden_states=sample, encoder_hidden_states=text, pooled_projections=pooled,
-                timestep=(t / 1000).expand(2), img_ids=image_ids(*grid), txt_ids=torch.zeros(7, 3),
-            ).sample  # fmt: skip
-            sample = scheduler.step(velocity, t, sample).prev_sample
         assert sample.isfinite().all() and grids == [grid] * (3 * 3)  # 2 double-stream, 1 single-stream block
         with pytest.raises(ValueError, match="one row-major grid"):
             model(

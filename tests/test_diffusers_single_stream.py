@@ -11,9 +11,21 @@ import torch
 
 diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install 'vca-patch[diffusers]')")
 
+from tests.helpers_diffusers import (  # noqa: E402
+    flux_call,
+    flux_denoise,
+    flux_rotary,
+    latent,
+    patch_save_reload,
+    processor_impostor,
+    record_grids,
+    reference_rope,
+    rel,
+    tiny_flux,
+)
 from tests.reference_vca import _depthwise3x3, _lam, _pool, _rms, _softmax  # noqa: E402
 from vca_patch import MANOConfig, VCAConfig, patch_model, unpatch_model  # noqa: E402
-from vca_patch.adapters.diffusers_dit import carry_single, check_diffusers_base, patched_processors  # noqa: E402
+from vca_patch.adapters.diffusers_dit import carry_single, patched_processors  # noqa: E402
 from vca_patch.adapters.diffusers_flux import FluxSingleLayerProcessor, reference_single_attention  # noqa: E402
 from vca_patch.attention import TokenLayout  # noqa: E402
 from vca_patch.attention.joint_vca import SingleStreamVisualContrastAttention  # noqa: E402
@@ -21,47 +33,6 @@ from vca_patch.attention.joint_vca import SingleStreamVisualContrastAttention  #
 CONFIG = VCAConfig(contrast_tokens=16, init="paper")  # random e±, λ, DWC: every new parameter matters
 DOUBLE = ["transformer_blocks.0.attn", "transformer_blocks.1.attn"]
 SINGLE = ["single_transformer_blocks.0.attn", "single_transformer_blocks.1.attn"]
-
-
-def tiny_flux() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=24, pooled_projection_dim=12, axes_dims_rope=(4, 6, 6),
-    ).eval()  # fmt: skip
-
-
-def latent(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def image_ids(H, W):
-    rows, cols = torch.arange(H).repeat_interleave(W), torch.arange(W).repeat(H)
-    return torch.stack([torch.zeros_like(rows), rows, cols], -1).float()
-
-
-def flux_rotary(model, L, grid):
-    return model.pos_embed(torch.cat([torch.zeros(L, 3), image_ids(*grid)]))
-
-
-def flux_call(model, x, grid, seed=3):
-    B = x.shape[0]
-    text, pooled = latent(B, 7, 24, seed=seed).to(x), latent(B, 12, seed=seed + 1).to(x)
-    return model(
-        hidden_states=x, encoder_hidden_states=text, pooled_projections=pooled, timestep=torch.full((B,), 0.5),
-        img_ids=image_ids(*grid), txt_ids=torch.zeros(7, 3),
-    ).sample  # fmt: skip
-
-
-def rel(got, expected) -> float:
-    return float((got - expected).detach().norm() / expected.detach().norm())
-
-
-def _rope(x, cos, sin):
-    """[B, S, M, d] rotated by interleaved pairs: (x₀, x₁) -> (x₀cos − x₁sin, x₁cos + x₀sin)."""
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    c, s = cos[None, :, None, 0::2], sin[None, :, None, 0::2]
-    return torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1).flatten(-2)
 
 
 def _cell_centres(H, W, h, w):
@@ -93,7 +64,7 @@ def reference_single_vca(model, attn, layer, x, grid, rotary, mode):
 
     q0, k0, v = project("to_q", "norm_q"), project("to_k", "norm_k"), project("to_v")  # [B, S, M, d]
     cos, sin = (t.double() for t in rotary)
-    q, k = _rope(q0, cos, sin), _rope(k0, cos, sin)
+    q, k = reference_rope(q0, cos, sin), reference_rope(k0, cos, sin)
     if mode == "pooled":
         pooled = _pool(q[:, L:].reshape(B, H, W, C), h, w)  # [B, n, C]
         tp = (pooled + g["vca.contrast_embed_pos"]).reshape(B, n, M, d)
@@ -103,8 +74,8 @@ def reference_single_vca(model, attn, layer, x, grid, rotary, mode):
         centres = _cell_centres(H, W, h, w)
         ids = torch.cat([torch.zeros(n, 1, dtype=torch.float64), centres], dim=1)
         ccos, csin = (t.double() for t in model.pos_embed(ids))
-        tp = _rope((pooled + g["vca.contrast_embed_pos"]).reshape(B, n, M, d), ccos, csin)
-        tn = _rope((pooled + g["vca.contrast_embed_neg"]).reshape(B, n, M, d), ccos, csin)
+        tp = reference_rope((pooled + g["vca.contrast_embed_pos"]).reshape(B, n, M, d), ccos, csin)
+        tn = reference_rope((pooled + g["vca.contrast_embed_neg"]).reshape(B, n, M, d), ccos, csin)
     lam1, lam2 = _lam(layer.lambda1, li), _lam(layer.lambda2, li)
     up = torch.einsum("bmij,bjmd->bmid", _softmax(s * torch.einsum("bimd,bjmd->bmij", tp, k)), v)
     un = torch.einsum("bmij,bjmd->bmid", _softmax(s * torch.einsum("bimd,bjmd->bmij", tn, k)), v)
@@ -166,12 +137,8 @@ def test_reference_matches_the_single_stream_processor_with_rotary():
 def test_a_processor_computing_something_else_fails_verification():
     from diffusers.models.transformers.transformer_flux import FluxAttnProcessor as Original
 
-    class FluxAttnProcessor(Original):  # the name the adapter knows, a different computation
-        def __call__(self, attn, hidden_states, *args, **kwargs):
-            return 1.5 * super().__call__(attn, hidden_states, *args, **kwargs)
-
     model = tiny_flux()
-    model.single_transformer_blocks[0].attn.set_processor(FluxAttnProcessor())
+    model.single_transformer_blocks[0].attn.set_processor(processor_impostor(Original, lambda out: 1.5 * out)())
     report = patch_model(model, CONFIG)
     assert [s.path for s in report.patched] == [*DOUBLE, SINGLE[1]]
     assert [(s.path, s.reason.split(":")[0]) for s in report.skipped] == [(SINGLE[0], "verification failed")]
@@ -266,20 +233,9 @@ def test_denoising_runs_with_the_grid_from_img_ids_and_unpatch_is_bit_identical(
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     added = set(model.state_dict()) - set(before)
     assert {k.split(".vca.")[0] for k in added} == set(DOUBLE + SINGLE)
-    grids: list[tuple[int, int]] = []
-    for path in SINGLE:
-        layer = patched_processors(model)[path].layer
-        layer.register_forward_hook(lambda m, a, o: grids.append(m.layout_source().grid))
-    scheduler = diffusers.FlowMatchEulerDiscreteScheduler()
-    scheduler.set_timesteps(3)
-    sample, text, pooled = x.clone(), latent(2, 7, 24, seed=3), latent(2, 12, seed=4)
+    grids = record_grids(model, SINGLE)
+    sample = flux_denoise(model, x, grid)
     with torch.no_grad():
-        for t in scheduler.timesteps:
-            velocity = model(
-                hidden_states=sample, encoder_hidden_states=text, pooled_projections=pooled,
-                timestep=(t / 1000).expand(2), img_ids=image_ids(*grid), txt_ids=torch.zeros(7, 3),
-            ).sample  # fmt: skip
-            sample = scheduler.step(velocity, t, sample).prev_sample
         assert sample.isfinite().all() and grids == [grid] * (3 * len(SINGLE))
         assert rel(flux_call(model, x, grid), reference) > 1e-3
         unpatch_model(model)
@@ -302,42 +258,21 @@ def test_training_and_gradient_checkpointing_reach_single_stream_parameters():
             assert param.grad is not None and param.grad.abs().sum() > 0
 
 
-@pytest.fixture
-def diffusers_loadable(monkeypatch):
-    """Register the diffusers base check with io.config_guard when the io package does not know it yet."""
-    from vca_patch.io import config_guard
-
-    if "diffusers-dit" not in config_guard.ADAPTER_LIBRARIES:
-        monkeypatch.setitem(config_guard.ADAPTER_LIBRARIES, "diffusers-dit", "diffusers")
-        monkeypatch.setitem(config_guard._BASE_CHECKS, "diffusers", check_diffusers_base)
-
-
 @pytest.mark.parametrize("form", ["merged", "delta"])
 def test_save_and_reload_keep_the_rotary_choice_and_outputs(tmp_path, diffusers_loadable, form):
     import json
 
-    from safetensors.torch import load_file, save_file
-
-    from vca_patch.io.checkpoint import from_pretrained, save_pretrained
-
-    model = tiny_flux()
-    base = tmp_path / "base.safetensors"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(base))
-    patch_model(model, VCAConfig(contrast_tokens=9, init="paper", rope_contrast="centre"))
     grid, x = (6, 10), latent(2, 60, 16)
-    with torch.no_grad():
-        expected = flux_call(model, x, grid)
-    options = {"form": "delta", "base_weights": base} if form == "delta" else {}
-    save_pretrained(model, tmp_path / "ckpt", **options)
+    config = VCAConfig(contrast_tokens=9, init="paper", rope_contrast="centre")
+    reloaded = patch_save_reload(tiny_flux(), config, form, tmp_path, lambda m: flux_call(m, x, grid))
     assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["config"]["rope_contrast"] == "centre"
-    loaded = from_pretrained(tmp_path / "ckpt", **({"base_weights": base} if form == "delta" else {}))
-    processors = patched_processors(loaded)
+    processors = patched_processors(reloaded.model)
     assert sorted(processors) == sorted(DOUBLE + SINGLE)
     assert all(p.layer.rope_contrast == "centre" for p in processors.values())
     with torch.no_grad():
-        assert torch.equal(flux_call(loaded, x, grid), expected)
+        assert torch.equal(flux_call(reloaded.model, x, grid), reloaded.expected)
     if form == "delta":
-        stored = load_file(str(tmp_path / "ckpt" / "delta.safetensors"))
+        stored = reloaded.delta
         assert stored and all(".vca." in k for k in stored)
         assert any(k.startswith(f"{SINGLE[1]}.vca.") for k in stored)
 

@@ -14,6 +14,13 @@ import transformers
 from transformers.models.swin import modeling_swin
 
 import vca_patch
+from tests.helpers_hierarchical import (
+    assert_state_restored,
+    assert_unpatch_restores,
+    gradients_without_and_with_checkpointing,
+    randomise_vca,
+    record_attend_grids,
+)
 from tests.models import trained_a_little
 from tests.reference_hierarchical import reference_reduction_vca, reference_window_attention, reference_windowed_vca
 from vca_patch import NothingToPatchError, PatchError, VCAConfig, patch_model, unpatch_model
@@ -90,37 +97,6 @@ class TimmNamed:
         return state
 
 
-def _randomise_vca(layer) -> None:
-    """Move every VCA parameter off its function-preserving init (a term the layer dropped would then show)."""
-    layer.reset_vca_parameters("paper")
-    with torch.no_grad():
-        for p in (layer.stage1_norm.weight, layer.stage2_norm.weight, layer.stage2_temperature):
-            p.add_(torch.rand_like(p) * 0.5)
-        layer.contrast_embed_pos.mul_(0.3)
-        layer.contrast_embed_neg.mul_(0.3)
-        if getattr(layer, "residual_gate", None) is not None:
-            layer.residual_gate.normal_()
-
-
-def _grids_seen(model, layer_type) -> list:
-    """The layout every VCA core of `layer_type` runs with (fused CPU kernel or composite path)."""
-    seen = []
-    for module in model.modules():
-        if isinstance(module, layer_type):
-            fused, composite = module.attend_fused, module.attend
-
-            def spy_fused(x, layout, _orig=fused):
-                seen.append(layout.grid)
-                return _orig(x, layout)
-
-            def spy(x, q, k, v, layout, *rest, _orig=composite):
-                seen.append(layout.grid)
-                return _orig(x, q, k, v, layout, *rest)
-
-            module.attend_fused, module.attend = spy_fused, spy
-    return seen
-
-
 def _max_rel(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got.double() - expected.double()).abs().max() / expected.double().abs().max())
 
@@ -148,7 +124,7 @@ def test_pvt_layer_matches_the_float64_reference(pvt, dtype):
     layer = model.encoder.layers[0].blocks[0].attention  # sr 4, n = 9
     assert isinstance(layer, SpatialReductionVCA) and layer.sr.stride == (4, 4)
     torch.manual_seed(1)
-    _randomise_vca(layer)
+    randomise_vca(layer)
     layer.to(dtype)
     grid = (8, 20)  # not square; keys 2x5, upsampled back to 8x20
     x = torch.randn(2, grid[0] * grid[1], layer.attn_dim, dtype=dtype)
@@ -210,19 +186,8 @@ def test_pvt_forward_at_two_resolutions_uses_each_stages_grid(pvt):
 
 def test_pvt_unpatch_restores_bit_identically(pvt):
     model = copy.deepcopy(pvt)
-    x = torch.randn(1, 3, 48, 64)
-    with torch.no_grad():
-        before = model(x).last_hidden_state
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    patch_model(model)
-    with torch.no_grad():
-        assert not torch.equal(model(x).last_hidden_state, before)
-    unpatch_model(model)
+    assert_unpatch_restores(model, torch.randn(1, 3, 48, 64), lambda m, x: m(x).last_hidden_state)
     assert type(model.encoder.layers[0].blocks[0].attention).__name__ == "PvtV2SelfAttention"
-    assert state.keys() == model.state_dict().keys()
-    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
-    with torch.no_grad():
-        assert torch.equal(model(x).last_hidden_state, before)
 
 
 def test_pvt_save_and_reload_round_trip(tmp_path):
@@ -291,7 +256,7 @@ def test_swin_layer_matches_the_float64_reference(swin, mode, dtype):
     patch_model(model, VCAConfig(swin_mode=mode))
     layer = model.encoder.layers[1].blocks[1].attention  # 2 heads, n = 16
     torch.manual_seed(3)
-    _randomise_vca(layer)
+    randomise_vca(layer)
     layer.to(dtype)
     call = PaddedShiftWindowCall((8, 12), (4, 4), (2, 2))  # whole windows: both partition orders agree
     layer.window_source = lambda: call
@@ -316,7 +281,7 @@ def test_swin_residual_mode_is_exact_at_init_shifted_and_padded_blocks_included(
     assert [v["grid"] for v in patched_layers(model).values()] == ["window 4x4 + global 16x16"] * 2 + [
         "window 4x4 + global 8x8"
     ] * 2
-    seen = _grids_seen(model, WindowedVCA)
+    seen = record_attend_grids(model, WindowedVCA)
     calls = []
     for module in model.modules():
         if isinstance(module, WindowedVCA):
@@ -359,7 +324,7 @@ def test_swin_global_mode_is_reported_approximate_and_drops_the_bias(swin):
     # 2nC + 10d + 10C per layer, minus the (2·4−1)² × heads bias table.
     expected = sum(2 * (2 * n * c + 10 * c // m + 10 * c - 49 * m) for c, m, n in [(16, 1, 9), (32, 2, 16)])
     assert report.params_added == expected
-    seen = _grids_seen(model, WindowedVCA)
+    seen = record_attend_grids(model, WindowedVCA)
     with torch.no_grad():
         a, b = model(torch.randn(1, 3, 64, 64)), model(torch.randn(2, 3, 72, 88))
     assert torch.isfinite(a.last_hidden_state).all() and torch.isfinite(b.last_hidden_state).all()
@@ -379,8 +344,7 @@ def test_swin_unpatch_restores_bit_identically_and_removes_the_hooks(swin, mode)
     )
     unpatch_model(model)
     assert type(model.encoder.layers[0].blocks[0].attention).__name__ == "SwinAttention"
-    assert state.keys() == model.state_dict().keys()
-    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert_state_restored(model, state)
     for module in model.modules():
         hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
         assert not any(isinstance(h, (SwinLayerWindowHook, SwinLayerWindowEnd)) for h in hooks)
@@ -418,15 +382,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(family):
         model = transformers.PvtV2ForImageClassification(transformers.PvtV2Config(**PVT, num_labels=3))
     patch_model(model)
     trained_a_little(model, "residual_gate", "contrast_embed", "dwc")  # the VCA branch contributes
-    x = torch.randn(2, 3, 72, 88)
-    grads = []
-    for checkpointing in (False, True):
-        model.zero_grad()
-        if checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        model(x).logits.square().sum().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    grads = gradients_without_and_with_checkpointing(model, torch.randn(2, 3, 72, 88))
     assert grads[0].keys() == grads[1].keys() and any("contrast_embed" in n for n in grads[0])
     assert all(torch.allclose(grads[0][n], grads[1][n], rtol=1e-4, atol=1e-6) for n in grads[0])
 

@@ -9,10 +9,11 @@ import timm
 import torch
 
 import vca_patch
+from tests.helpers_hierarchical import assert_unpatch_restores, randomise_vca
 from tests.models import trained_a_little
 from tests.reference_hierarchical import bilinear_upsample, reference_reduction_vca
 from tests.reference_vca import reference_vca
-from vca_patch import MANOConfig, NothingToPatchError, VCAConfig, patch_model, unpatch_model
+from vca_patch import MANOConfig, NothingToPatchError, VCAConfig, patch_model
 from vca_patch.attention.q_kv_view import QAndKV
 from vca_patch.attention.reduced_vca import SpatialReductionVCA
 from vca_patch.config import ConfigError, TargetConfig
@@ -23,16 +24,6 @@ from vca_patch.surgery import inspect_model, patched_layers
 def pvt() -> torch.nn.Module:
     torch.manual_seed(0)
     return timm.create_model("pvt_v2_b0", pretrained=False).eval()
-
-
-def _randomise_vca(layer: SpatialReductionVCA) -> None:
-    """Move every VCA parameter off its function-preserving init (a term the layer dropped would then show)."""
-    layer.reset_vca_parameters("paper")
-    with torch.no_grad():
-        for p in (layer.stage1_norm.weight, layer.stage2_norm.weight, layer.stage2_temperature):
-            p.add_(torch.rand_like(p) * 0.5)
-        layer.contrast_embed_pos.mul_(0.3)
-        layer.contrast_embed_neg.mul_(0.3)
 
 
 def test_bilinear_reference_matches_pytorch():  # the reference's own building block, checked once
@@ -48,7 +39,7 @@ def test_reduction_layer_matches_the_float64_reference(pvt, dtype):
     layer = model.stages[0].blocks[0].attn  # sr 8, n = 9
     assert isinstance(layer, SpatialReductionVCA) and layer.sr.stride == (8, 8)
     torch.manual_seed(1)
-    _randomise_vca(layer)
+    randomise_vca(layer)
     layer.to(dtype)
     grid = (16, 40)  # not square; keys 2x5, upsampled back to 16x40
     x = torch.randn(2, grid[0] * grid[1], layer.attn_dim, dtype=dtype)
@@ -70,7 +61,7 @@ def test_last_stage_without_reduction_is_plain_vca(pvt):
     layer = model.stages[3].blocks[1].attn
     assert layer.sr is None and isinstance(layer.qkv, QAndKV)
     torch.manual_seed(2)
-    _randomise_vca(layer)
+    randomise_vca(layer)
     layer.double()
     x = torch.randn(2, 5 * 6, layer.attn_dim, dtype=torch.float64)
     with torch.no_grad():
@@ -135,19 +126,8 @@ def test_forward_at_two_resolutions_uses_each_stages_grid(pvt):
 
 def test_unpatch_restores_bit_identically(pvt):
     model = copy.deepcopy(pvt)
-    x = torch.randn(1, 3, 96, 128)
-    with torch.no_grad():
-        before = model(x)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    patch_model(model)
-    with torch.no_grad():
-        assert not torch.equal(model(x), before)
-    unpatch_model(model)
+    assert_unpatch_restores(model, torch.randn(1, 3, 96, 128))
     assert type(model.stages[0].blocks[0].attn).__name__ == "Attention"
-    assert state.keys() == model.state_dict().keys()
-    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
-    with torch.no_grad():
-        assert torch.equal(model(x), before)
 
 
 def test_save_and_reload_round_trip(pvt, tmp_path):

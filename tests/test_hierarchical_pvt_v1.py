@@ -11,6 +11,7 @@ import torch
 import transformers
 
 import vca_patch
+from tests.helpers_hierarchical import assert_unpatch_restores, randomise_vca
 from tests.models import trained_a_little
 from tests.reference_hierarchical import reference_reduction_vca
 from tests.reference_vca import reference_vca
@@ -66,15 +67,6 @@ class TimmNamed:
         return state
 
 
-def _randomise_vca(layer: SpatialReductionVCA) -> None:
-    layer.reset_vca_parameters("paper")
-    with torch.no_grad():
-        for p in (layer.stage1_norm.weight, layer.stage2_norm.weight, layer.stage2_temperature):
-            p.add_(torch.rand_like(p) * 0.5)
-        layer.contrast_embed_pos.mul_(0.3)
-        layer.contrast_embed_neg.mul_(0.3)
-
-
 def _max_rel(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got.double() - expected.double()).abs().max() / expected.double().abs().max())
 
@@ -105,7 +97,7 @@ def test_v1_reduction_layer_matches_the_float64_reference(pvt, dtype):
     layer = model.encoder.block[0][0].attention.self  # sr 4, n = 4
     assert isinstance(layer, SpatialReductionVCA) and layer.sr.stride == (4, 4)
     torch.manual_seed(1)
-    _randomise_vca(layer)
+    randomise_vca(layer)
     layer.to(dtype)
     grid = (8, 20)  # not square; keys 2x5, upsampled back to 8x20
     x = torch.randn(2, grid[0] * grid[1], layer.attn_dim, dtype=dtype)
@@ -121,7 +113,7 @@ def test_v1_cls_stage_reads_the_cls_token_as_a_prefix(pvt):
     layer = model.encoder.block[2][1].attention.self
     assert layer.sr is None
     torch.manual_seed(2)
-    _randomise_vca(layer)
+    randomise_vca(layer)
     layer.double()
     grid = (3, 5)
     x = torch.randn(2, 1 + grid[0] * grid[1], layer.attn_dim, dtype=torch.float64)
@@ -163,19 +155,8 @@ def test_v1_whole_model_at_two_grids_and_the_projection_stays_outside(pvt):
 
 def test_v1_unpatch_restores_bit_identically(pvt):
     model = copy.deepcopy(pvt)
-    x = torch.randn(1, 3, 64, 64)
-    with torch.no_grad():
-        before = model(x).last_hidden_state
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    patch_model(model)
-    with torch.no_grad():
-        assert not torch.equal(model(x).last_hidden_state, before)
-    unpatch_model(model)
+    assert_unpatch_restores(model, torch.randn(1, 3, 64, 64), lambda m, x: m(x).last_hidden_state)
     assert type(model.encoder.block[0][0].attention.self).__name__ == "PvtEfficientSelfAttention"
-    assert state.keys() == model.state_dict().keys()
-    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
-    with torch.no_grad():
-        assert torch.equal(model(x).last_hidden_state, before)
 
 
 def test_v1_save_and_reload_round_trip(tmp_path):
@@ -243,7 +224,7 @@ def test_paper_mode_is_global_vca_over_full_resolution_keys(family, timm_pvt):
     assert dropped and all(f".{sr_name}." in k or k.split(".")[-2] in ("norm", "layer_norm") for k in dropped)
     # The layer is plain VCA over the full grid: its q/k/v read the block input (no reduction), float64 reference.
     torch.manual_seed(3)
-    _randomise_vca(layer)
+    randomise_vca(layer)
     layer.double()
     grid = (6, 10)
     x = torch.randn(2, grid[0] * grid[1], layer.attn_dim, dtype=torch.float64)

@@ -9,6 +9,7 @@ import timm
 import torch
 
 import vca_patch
+from tests.helpers_hierarchical import assert_state_restored, randomise_vca, record_attend_grids
 from tests.models import trained_a_little
 from tests.reference_hierarchical import partition, reference_window_attention, reference_windowed_vca
 from vca_patch import PatchError, VCAConfig, VisualContrastAttention, patch_model, unpatch_model
@@ -28,25 +29,6 @@ def swin() -> torch.nn.Module:
     return timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, **SWIN_ARGS).eval()
 
 
-def _attend_grids(model) -> list:
-    """Record the layout every VCA core runs with (fused CPU kernel or composite path)."""
-    seen = []
-    for module in model.modules():
-        if isinstance(module, WindowedVCA):
-            fused, composite = module.attend_fused, module.attend
-
-            def spy_fused(x, layout, _orig=fused):
-                seen.append(layout.grid)
-                return _orig(x, layout)
-
-            def spy(x, q, k, v, layout, *rest, _orig=composite):
-                seen.append(layout.grid)
-                return _orig(x, q, k, v, layout, *rest)
-
-            module.attend_fused, module.attend = spy_fused, spy
-    return seen
-
-
 def test_window_call_round_trips_shift_and_padding():
     call = WindowCall((6, 10), (4, 4), (2, 2))
     grid = torch.randn(3, 6, 10, 5)
@@ -62,13 +44,7 @@ def test_windowed_layer_matches_the_float64_reference(swin, mode, dtype):
     patch_model(model, VCAConfig(swin_mode=mode))
     layer = model.layers[1].blocks[1].attn  # 2 heads, n = 16
     torch.manual_seed(3)
-    layer.reset_vca_parameters("paper")
-    with torch.no_grad():
-        layer.stage2_temperature.add_(0.5)
-        layer.contrast_embed_pos.mul_(0.3)
-        layer.contrast_embed_neg.mul_(0.3)
-        if mode == "residual":
-            layer.residual_gate.normal_()
+    randomise_vca(layer, norms=False)  # the residual gate too, in "residual" mode
     layer.to(dtype)
     call = WindowCall((6, 10), (4, 4), (2, 2))  # shifted and padded to 8 x 12: 6 windows
     layer.window_source = lambda: call
@@ -100,7 +76,7 @@ def test_residual_mode_is_exact_at_init_shifted_and_padded_blocks_included(swin)
     assert {s.reason for s in report.skipped} == {"last stage stays window attention (the paper's placement: VCA in "
                                                   "stages 1-3)"}  # fmt: skip
     assert any(b.shift_size != (0, 0) for b in model.layers[0].blocks)
-    seen = _attend_grids(model)
+    seen = record_attend_grids(model, WindowedVCA)
     for size in [(64, 64), (72, 88)]:  # 72 x 88: 18 x 22 and 9 x 11 grids, padded to whole 4 x 4 windows
         x = torch.randn(2, 3, *size)
         with torch.no_grad():
@@ -135,7 +111,7 @@ def test_global_mode_is_reported_approximate_and_drops_the_bias_table(swin):
     # 2nC + 10d + 10C per layer, minus the (2·4−1)² × heads bias table.
     expected = sum(2 * (2 * n * c + 10 * c // m + 10 * c - 49 * m) for c, m, n in [(16, 1, 9), (32, 2, 16)])
     assert report.params_added == expected
-    seen = _attend_grids(model)
+    seen = record_attend_grids(model, WindowedVCA)
     with torch.no_grad():
         a, b = model(torch.randn(1, 3, 64, 64)), model(torch.randn(2, 3, 72, 88))
     assert torch.isfinite(a).all() and torch.isfinite(b).all()
@@ -172,8 +148,7 @@ def test_unpatch_restores_bit_identically_and_removes_the_block_hooks(swin, mode
     patch_model(model, VCAConfig(swin_mode=mode))
     assert any(isinstance(h, BlockWindowHook) for h in model.layers[0].blocks[0]._forward_pre_hooks.values())
     unpatch_model(model)
-    assert state.keys() == model.state_dict().keys()
-    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert_state_restored(model, state)
     for module in model.modules():
         hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
         assert not any(isinstance(h, (BlockWindowHook, BlockWindowEnd)) for h in hooks)

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 import vca_patch
+from tests.helpers_hierarchical import assert_state_restored, gradients_without_and_with_checkpointing, randomise_vca
 from tests.models import trained_a_little
 from tests.reference_hierarchical import partition
 from tests.reference_swinv2 import reference_cosine_vca, reference_cosine_window_attention
@@ -96,12 +97,7 @@ def test_cosine_windowed_layer_matches_the_float64_reference():
     patch_model(model, VCAConfig(swin_mode="residual"))
     layer = model.layers[1].blocks[1].attn  # 2 heads, n = 16
     torch.manual_seed(3)
-    layer.reset_vca_parameters("paper")
-    with torch.no_grad():
-        layer.stage2_temperature.add_(0.5)
-        layer.contrast_embed_pos.mul_(0.3)
-        layer.contrast_embed_neg.mul_(0.3)
-        layer.residual_gate.normal_()
+    randomise_vca(layer, norms=False)
     layer.double()
     call = WindowCall((6, 10), (4, 4), (2, 2))  # shifted and padded to 8 x 12: 6 windows
     layer.window_source = lambda: call
@@ -148,8 +144,7 @@ def test_unpatch_is_bit_identical(timm_v2, hf_v2, library, mode):
     state = {k: v.clone() for k, v in model.state_dict().items()}
     patch_model(model, VCAConfig(swin_mode=mode))
     unpatch_model(model)
-    assert state.keys() == model.state_dict().keys()
-    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert_state_restored(model, state)
     assert not any(isinstance(m, WindowedVCA) for m in model.modules())
     assert not any("maybe_pad" in m.__dict__ for m in model.modules())
     x = torch.randn(1, 3, 64, 64)
@@ -230,14 +225,6 @@ def test_hf_gradient_checkpointing_gives_the_same_gradients():
         transformers.Swinv2Config(**HF_ARGS, num_labels=3, drop_path_rate=0.0)
     )
     patch_model(model)
-    x = torch.randn(2, 3, 64, 64)
-    grads = []
-    for checkpointing in (False, True):
-        model.zero_grad()
-        if checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        model(x).logits.square().sum().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    grads = gradients_without_and_with_checkpointing(model, torch.randn(2, 3, 64, 64))
     assert grads[0].keys() == grads[1].keys() and any("residual_gate" in n for n in grads[0])
     assert all(torch.allclose(grads[0][n], grads[1][n], rtol=1e-4, atol=1e-6) for n in grads[0])

@@ -21,7 +21,7 @@ from vca_patch.hub import HubAuthError, HubError, HubUnavailableError, InvalidRe
 from vca_patch.io.checkpoint import CheckpointError
 
 from .models import tiny
-from .test_hub_fakehub import TOKEN, FakeHub
+from .test_hub_fakehub import TOKEN
 
 REPO = "acme/deit-tiny-vca"
 
@@ -44,14 +44,6 @@ def _point_at(monkeypatch, endpoint: str, cache: Path) -> None:
 def _go_offline(monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-
-
-@pytest.fixture
-def hub(monkeypatch, tmp_path):
-    fake = FakeHub().start()
-    _point_at(monkeypatch, fake.url, tmp_path / "hf-cache")
-    yield fake
-    fake.stop()
 
 
 @pytest.fixture

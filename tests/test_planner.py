@@ -196,37 +196,17 @@ def test_cli_plan_then_convert_with_the_plan(tmp_path):
     assert load_plan(out).expect == {"depth": 12, "dim": 192, "num_heads": 3}
     again = runner.invoke(app, args)
     assert again.exit_code == 2 and "exists; pass --force" in again.output
-    converted = runner.invoke(
-        app,
-        [
-            "convert",
-            "vit_tiny_patch16_224",
-            "--no-pretrained",
-            "--img-size",
-            "64",
-            "--plan",
-            str(out),
-            "-o",
-            str(tmp_path / "converted"),
-        ],
-    )
+
+    def convert_with_the_plan(model_name: str, folder):
+        return runner.invoke(
+            app, ["convert", model_name, "--no-pretrained", "--img-size", "64", "--plan", str(out), "-o", str(folder)]
+        )
+
+    converted = convert_with_the_plan("vit_tiny_patch16_224", tmp_path / "converted")
     assert converted.exit_code == 0, converted.output
     config = json.loads((tmp_path / "converted" / "config.json").read_text())
     assert "merge" in json.dumps(config)
-    wrong = runner.invoke(
-        app,
-        [
-            "convert",
-            "vit_small_patch16_224",
-            "--no-pretrained",
-            "--img-size",
-            "64",
-            "--plan",
-            str(out),
-            "-o",
-            str(tmp_path / "w"),
-        ],
-    )
+    wrong = convert_with_the_plan("vit_small_patch16_224", tmp_path / "w")
     assert wrong.exit_code != 0 and "made for a model with" in wrong.output
     assert not (tmp_path / "w").exists()
 

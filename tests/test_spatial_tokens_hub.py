@@ -23,20 +23,11 @@ from vca_patch.spatial_tokens import (
 )
 from vca_patch.spatial_tokens.tiny import IMAGE_TOKEN_ID, tiny_llava, tiny_processor
 
-from .test_hub_contract import _go_offline, _point_at
-from .test_hub_fakehub import FakeHub
+from .test_hub_contract import _go_offline
 
 pytest.importorskip("transformers")
 
 REPO = "acme/llava-sp-tiny"
-
-
-@pytest.fixture
-def hub(monkeypatch, tmp_path):
-    fake = FakeHub().start()
-    _point_at(monkeypatch, fake.url, tmp_path / "hf-cache")
-    yield fake
-    fake.stop()
 
 
 def _logits(model, count: int = 150) -> torch.Tensor:
