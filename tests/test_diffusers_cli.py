@@ -240,24 +240,13 @@ def _jitter(module: torch.nn.Module) -> None:
         param.add_(0.01)
 
 
-@pytest.fixture
-def fake_hub(monkeypatch, tmp_path):
-    from tests.test_hub_contract import _point_at
-    from tests.test_hub_fakehub import FakeHub
-
-    hub = FakeHub().start()
-    _point_at(monkeypatch, hub.url, tmp_path / "hf-cache")
-    yield hub
-    hub.stop()
-
-
-def test_delta_against_a_hub_pipeline_records_repo_subfolder_and_commit(fake_hub, tmp_path, monkeypatch):
+def test_delta_against_a_hub_pipeline_records_repo_subfolder_and_commit(hub, tmp_path, monkeypatch):
     from huggingface_hub import constants
 
     original = tiny_dit()
     folder = pipeline_folder(tmp_path / "pipe", original)
     files = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-    sha = fake_hub.seed("acme/tiny-dit", files)
+    sha = hub.seed("acme/tiny-dit", files)
 
     model = load_base_model("acme/tiny-dit")  # online (to the fake Hub): the pipeline's transformer/
     assert model.__dict__[SOURCE] == {"hf_hub_id": "acme/tiny-dit", "subfolder": "transformer", "revision": sha}
@@ -278,7 +267,7 @@ def test_delta_against_a_hub_pipeline_records_repo_subfolder_and_commit(fake_hub
     again = json.loads((tmp_path / "ckpt2" / "config.json").read_text())["delta"]["base_weights"]
     assert again == meta["delta"]["base_weights"]
 
-    fake_hub.seed("acme/tiny-dit", {**files, "transformer/diffusion_pytorch_model.safetensors": b"moved on"})
+    hub.seed("acme/tiny-dit", {**files, "transformer/diffusion_pytorch_model.safetensors": b"moved on"})
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the pinned commit is in the cache: no Hub needed
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     loaded = vca_patch.from_pretrained(tmp_path / "ckpt")
