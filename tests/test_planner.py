@@ -110,6 +110,18 @@ def test_an_impossible_budget_names_the_closest_plan():
         choose(cands, 0.0, "cls")
 
 
+def test_a_budget_below_the_original_where_nothing_is_faster_says_so():
+    slower = [
+        Candidate([0, 0, 0, 0]),
+        Candidate([0, 2, 2, 2], latency=1.04),
+        Candidate([0, 0, 0, 0], {1: 4}, latency=1.2),
+    ]
+    with pytest.raises(PlanError, match=r"reaches 1\.00x \(original.*no conversion is faster than the original"):
+        choose(slower, 0.8, "cls")
+    with pytest.raises(PlanError, match="--merge-fractions"):  # when something is faster, merging more may help
+        choose([*slower, Candidate([3, 3, 3, 3], latency=0.9)], 0.8, "cls")
+
+
 def test_plan_model_end_to_end_and_the_plan_file(tmp_path):
     model = _tiny()
     images = torch.randn(3, 3, RES, RES)

@@ -151,9 +151,15 @@ def choose(cands: Sequence[Candidate], budget: float, objective: str) -> Candida
     fitting = [c for c in cands if c.latency <= budget]
     if not fitting:
         fastest = min(cands, key=lambda c: c.latency)
+        if fastest.latency >= 1.0:  # every conversion costs more than it saves at this token count
+            advice = (
+                "at this resolution no conversion is faster than the original on this machine (too few tokens for "
+                "VCA, MANO or merging to pay for their overhead): keep the original, or plan for a larger resolution"
+            )
+        else:
+            advice = "raise the budget, or let the planner merge more (--merge-fractions up to 0.95)"
         raise PlanError(
             f"no plan meets the latency budget {budget:.2f}x: the fastest measured plan reaches "
-            f"{fastest.latency:.2f}x ({fastest.describe()}, predicted CLS cosine {fastest.cls:.3f}); raise the "
-            "budget, or let the planner merge more (--merge-fractions up to 0.95)"
+            f"{fastest.latency:.2f}x ({fastest.describe()}, predicted CLS cosine {fastest.cls:.3f}); {advice}"
         )
     return max(fitting, key=lambda c: (c.score(objective), -c.latency))
