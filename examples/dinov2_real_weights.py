@@ -231,6 +231,10 @@ def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
     for row in rows:
         row["latency_ratio"] = timings[row["name"]][sizes[0]]["ratio"]
         row["latency"] = {str(size): value for size, value in timings[row["name"]].items()}
+    planned_ratio = next(r["latency_ratio"] for r in rows if r["name"] == "converted")
+    if chosen is not None and planned_ratio > plan.budget:
+        log(f"the plan measured {planned_ratio:.2f}x, over its {plan.budget:g}x budget (predicted "
+            f"{chosen.latency:.2f}x): batch-1 CPU latency varies by a few hundredths between runs")  # fmt: skip
     return {
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "plan": None
@@ -256,15 +260,16 @@ def markdown(result: dict[str, Any]) -> str:
                                                  for size in result["latency_sizes"])]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     s, rec, plan = result["settings"], result["recovery"], result["plan"]
+    calibration = "no calibration" if "skipped" in result["calibration"] else f"calibration on {s['calibration']} crops"
     recovery = (
         f"recovery {rec['steps']} steps x {rec['batch']} of {rec['crops']} crops ({rec['seconds'] / 60:.1f} min)"
         if "skipped" not in rec
         else f"no recovery ({rec['skipped']})"
     )
-    planning = "" if plan is None else f"plan for {plan['budget']:g}x: {plan['plan']}; "
+    planning = "" if plan is None else f"plan for {plan['budget']:g}x on {s['plan_images']} crops: {plan['plan']}; "
     lines += ["", (
-        f"{planning}{result['evaluation_images']} held-out images at {s['size']} px; calibration on "
-        f"{s['calibration']} crops, {recovery}, all of other photos; Fashion-MNIST probe {s['probe_train']} train / "
+        f"{planning}{result['evaluation_images']} held-out images at {s['size']} px; {calibration}, {recovery}, "
+        f"all crops of other photos; Fashion-MNIST probe {s['probe_train']} train / "
         f"{s['probe_test']} test (own: trained on each model's features; original's: the original's probe on "
         f"them); latency batch 1, {result['threads']} threads; {result['seconds']:.0f} s in all."
     )]  # fmt: skip

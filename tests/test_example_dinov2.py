@@ -85,7 +85,7 @@ def test_planned_run_converts_with_the_plan_it_prints(example, monkeypatch, caps
     assert "nothing to recover" in result["recovery"]["skipped"] and "skipped" in result["calibration"]
     assert 0.9 < rows["converted"]["cls_cosine"] < 1 and 0.8 < rows["converted"]["patch_token_cosine"] < 1
     assert list(rows["converted"]["latency"]) == ["224"]  # a merge plan is timed at the size it was made for
-    assert f"plan for 0.85x: {plan['plan']}" in capsys.readouterr().out
+    assert f"plan for 0.85x on 8 crops: {plan['plan']}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
