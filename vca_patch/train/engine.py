@@ -411,7 +411,9 @@ def run_recipe(
                 stage_step += 1
                 window.add(step_loss, tr.batch_size * world * tr.grad_accum, time.monotonic() - tick)
                 log = global_step % tr.log_every == 0
-                info = f"loss {float(step_loss):.4f}  lr {lr_now:.2e}  {window.throughput():.0f} img/s" if log else None
+                rate = window.throughput()
+                speed = f"{rate:.0f} img/s" if rate >= 10 else f"{rate:.2f} img/s"  # slow steps: not "0 img/s"
+                info = f"loss {float(step_loss):.4f}  lr {lr_now:.2e}  {speed}" if log else None
                 progress.update(stage.name, global_step, info, log)
                 last_of_stage = stage_step == stage.steps
                 if global_step % tr.eval_every == 0 or last_of_stage:
