@@ -224,3 +224,18 @@ def test_hierarchical_stages_save_the_gain_as_off():
     ).eval()
     vca_patch.patch_model(model, VCAConfig(stage_contrast_tokens=[4, 1]))
     assert VCAConfig().as_built(model).token_magnitude is False
+
+
+def test_a_merge_plan_saves_its_vca_blocks_gain_as_built(tmp_path):
+    from vca_patch.merging import MergeConfig
+
+    model = _tiny_vit()
+    config = MergeConfig(schedule=[0, 2, 2], vca_layers={0: 4})  # vca options left automatic
+    vca_patch.patch_model(model, config)
+    vca_patch.save_pretrained(
+        model, tmp_path / "ckpt", model_args={"img_size": 64, "depth": 3, "num_classes": 0, "global_pool": "token"}
+    )
+    written = json.loads((tmp_path / "ckpt" / "config.json").read_text())["config"]
+    assert written["vca"] == {"token_magnitude": True} and config.vca == {}
+    reloaded = vca_patch.from_pretrained(tmp_path / "ckpt")
+    assert [m.token_gain is not None for m in reloaded.modules() if isinstance(m, VisualContrastAttention)] == [True]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from torch import nn
@@ -134,6 +134,15 @@ class MergeConfig(TargetConfig):
 
     def _vca_config(self) -> VCAConfig:
         return VCAConfig(**self.vca, layer_contrast_tokens=self.vca_layers, seed=self.seed)
+
+    def as_built(self, model: nn.Module) -> MergeConfig:
+        """The VCA blocks' automatic choices as their layers got them (`VCAConfig.as_built`), in `vca`."""
+        if not self.vca_layers:
+            return self
+        built = self._vca_config().as_built(model).token_magnitude
+        if built is None or self.vca.get("token_magnitude") == built:
+            return self
+        return replace(self, vca={**self.vca, "token_magnitude": built})
 
     def _mano_config(self, window: int) -> MANOConfig:
         return MANOConfig(**self.mano, window=window, seed=self.seed)
