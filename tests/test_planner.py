@@ -169,9 +169,7 @@ def test_calibrating_vca_blocks_of_a_merging_plan():
     images = torch.randn(4, 3, RES, RES)
     with torch.no_grad():
         reference = model.forward_features(images)
-    config = plan_config(
-        type("C", (), {"schedule": [0, 0, 3, 3], "vca_layers": {0: 4, 1: 4}})(), model_info(model), calibrate=True
-    )
+    config = plan_config(Candidate([0, 0, 3, 3], {0: 4, 1: 4}), model_info(model), calibrate=True)
     raw = apply_plan(_copy(model), config)
     tuned = apply_plan(_copy(model), config, images)
     with torch.no_grad():

@@ -73,7 +73,7 @@ def plan_config(candidate: Candidate, info: ModelInfo, *, calibrate: bool = True
     return MergeConfig(
         schedule=list(candidate.schedule),
         vca_layers=dict(candidate.vca_layers) or None,
-        mano_layers=dict(getattr(candidate, "mano_layers", {})) or None,
+        mano_layers=dict(candidate.mano_layers) or None,
         vca={"token_magnitude": True} if calibrate and candidate.vca_layers else {},
         expect=info.expect(),
     )
