@@ -22,7 +22,7 @@ from ..attention.window_terms import PassThroughProjection
 from .base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
 from .call_shims import TokensOnly, TupleOutput
 from .timm_vit import reference_biased_attention
-from .verify import TOLERANCE, eval_mode, float32_copy, reference_softmax_attention
+from .verify import TOLERANCE, eval_mode, float32_copy, reference_softmax_attention, relative_error
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
 _OUTPUT_NAMES = ("o_proj", "out_proj")
@@ -257,7 +257,7 @@ class HFVisionAdapter(ModelAdapter):
         bias = torch.randn(1, site.num_heads, 17, 17, generator=generator).to(weight)
         with eval_mode(module):
             expected = module(x, attention_mask=bias)[0]
-        return float((reference_biased_attention(carried, x, bias) - expected).norm() / expected.norm())
+        return relative_error(reference_biased_attention(carried, x, bias), expected)
 
     @torch.no_grad()
     def _split_bias_error(self, site: AttentionSite) -> float | None:
@@ -283,7 +283,7 @@ class HFVisionAdapter(ModelAdapter):
                     if isinstance(bias, torch.Tensor)
                     else reference_softmax_attention(carried, x)
                 )
-                errors.append(float((reference - expected).norm() / expected.norm()))
+                errors.append(relative_error(reference, expected))
         return max(errors)
 
     def adapt_call(self, replacement: nn.Module, site: AttentionSite) -> None:

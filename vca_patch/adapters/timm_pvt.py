@@ -21,7 +21,7 @@ from ..attention.staged_carry import PAPER_MODE_NOTE, CarriedReductionAttention
 from .base import AttentionSite, SkippedSite
 from .staged import TimmStagedAdapter
 from .timm_base import describe_timm_base
-from .verify import Probe, eval_mode, on_meta, record_verdict
+from .verify import Probe, eval_mode, on_meta, record_verdict, relative_error
 
 _RECORDED_ARGS = ("num_classes", "global_pool")
 LINEAR_ATTENTION_REASON = "linear attention already (keys pooled to 7x7): nothing for VCA to make linear"
@@ -86,7 +86,7 @@ def reduction_attention_error(
     x = probe.randn(2, prefix + grid[0] * grid[1], dim)
     with eval_mode(probe.module):
         expected = call(probe.module, x, grid)
-    return float((reference_reduction_attention(probe.carried, x, grid) - expected).norm() / expected.norm())
+    return relative_error(reference_reduction_attention(probe.carried, x, grid), expected)
 
 
 def note_dropped_reduction(replacement: nn.Module, site: AttentionSite) -> None:

@@ -29,7 +29,7 @@ from ..attention.window_call import WindowCall, WindowCallEnd, WindowCallOwner, 
 from .base import AttentionSite, ModelAdapter, SkippedSite, remove_hooks
 from .staged import TimmStagedAdapter
 from .timm_base import describe_timm_base
-from .verify import Probe, eval_mode, on_meta, record_verdict
+from .verify import Probe, eval_mode, on_meta, record_verdict, relative_error
 
 _RECORDED_ARGS = ("num_classes", "global_pool")
 _MODULES = ("timm.models.swin_transformer", "timm.models.swin_transformer_v2")
@@ -103,7 +103,7 @@ def window_attention_error(
         for m in (None, mask):
             expected = call(probe.module, x, m)
             got = reference_window_attention(probe.carried, x, m)
-            errors.append(float((got - expected).norm() / expected.norm()))
+            errors.append(relative_error(got, expected))
     return max(errors)
 
 

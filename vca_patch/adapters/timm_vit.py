@@ -22,7 +22,7 @@ from ..attention.fused_qkv import FusedQKVView, QKVWithSeparateBias, SplitQKV
 from .base import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite, attention_dropout_note
 from .call_shims import TokensOnly
 from .timm_base import create_timm_base, describe_timm_base
-from .verify import eval_mode, float32_copy, record_verdict
+from .verify import eval_mode, float32_copy, record_verdict, relative_error
 
 _BLOCK_INDEX = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
 # Constructor arguments recorded so the same base model can be rebuilt.
@@ -264,7 +264,7 @@ class TimmViTAdapter(ModelAdapter):
         with eval_mode(module):
             expected = module(x, **({family.dropped_kwargs[0]: shared} if shared is not None else {}))
         bias = sum(b for b in (own, shared) if b is not None)
-        error = float((reference_biased_attention(carried, x, bias) - expected).norm() / expected.norm())
+        error = relative_error(reference_biased_attention(carried, x, bias), expected)
         return record_verdict(site, error, "softmax attention with the pairwise bias")
 
     def describe_base(self, model: nn.Module) -> dict[str, Any]:
