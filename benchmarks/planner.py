@@ -4,11 +4,12 @@
     python benchmarks/planner.py --sizes 224 518 1036
     python benchmarks/planner.py --quick             # seconds: a tiny random-weight ViT (tests)
 
-For each size: token merging alone (ToMe, r per block from block 0, at several r) and the planner's choice at each
-budget (`vca_patch.planner`: measured per-layer sensitivity + latency, VCA in the blocks before the first merge,
-calibrated on the calibration crops) are measured on held-out photos (never calibrated on): CLS cosine, per-patch-
-token cosine and mean-patch cosine to the original (merged tokens copied back to their patches), and the batch-1 CPU
-latency ratio, all models timed interleaved. Writes RESULTS/planner[_quick].json, .png and .md (also printed).
+For each size: token merging alone at several r (r per block from block 0), both as ToMe has it (merged tokens
+copied back to their patches, "ToMe r=...") and with our residual unmerge ("merge r=...", the default), and the
+planner's choice at each budget (`vca_patch.planner`: measured per-layer sensitivity + latency, VCA in the blocks
+before the first merge, calibrated on the calibration crops) are measured on held-out photos (never calibrated on):
+CLS cosine, per-patch-token cosine and mean-patch cosine to the original, and the batch-1 CPU latency ratio, all
+models timed interleaved. Writes RESULTS/planner[_quick].json, .png and .md (also printed).
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ FULL = {"calibration": 8, "eval_crops": 6, "budgets": [0.4, 0.5, 0.6, 0.7, 0.8],
         "mano_windows": [7]}  # fmt: skip
 QUICK = {"calibration": 2, "eval_crops": 0, "budgets": [0.9, 1.5], "ns": [4], "repeats": 1, "mano_windows": [2]}
 MERGE_FRACTIONS = (0.3, 0.5, 0.7, 0.85, 0.95)
+ROW_KINDS = {"ToMe": "tome", "merge": "merging", "plan": "planner"}  # by a row name's first word
+PLOT_LABELS = {
+    "tome": "ToMe (copy unmerge)",
+    "merging": "merging alone (residual unmerge)",
+    "planner": "planner",
+}
 
 
 def _real(size: int, calibration: int, eval_crops: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -76,6 +83,7 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
     plan_seconds = time.perf_counter() - started
     configs: dict[str, MergeConfig] = {}
     for r in merge_rates(info, size, 0, MERGE_FRACTIONS):
+        configs[f"ToMe r={r}"] = MergeConfig(r=r, unmerge="copy")  # the peer: ToMe's own unmerge
         configs[f"merge r={r}"] = MergeConfig(r=r)
     chosen, measured = {}, {}
     for budget in settings["budgets"]:
@@ -98,7 +106,7 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
     for name in rows:
         rows[name]["latency_ratio"] = timed[name][size]["ratio"]
         rows[name]["latency_ms"] = timed[name][size]["ms"]
-        rows[name]["kind"] = "merging" if name.startswith("merge") else "planner"
+        rows[name]["kind"] = ROW_KINDS[name.split(" ")[0]]
     budgets = {b: f"plan {c.describe()}" for b, c in chosen.items()}
     return {
         "tokens": info.tokens(size),
@@ -147,12 +155,10 @@ def plot(results: dict, path: Path) -> None:
             rows = results["sizes"][size]["rows"]
             for row_index, (metric, label) in enumerate((("cls_cosine", "CLS"), ("patch_token_cosine", "patch token"))):
                 ax = axes[row_index][col]
-                for kind, marker in (("merging", "o-"), ("planner", "s-")):
+                for kind, marker in (("tome", "^--"), ("merging", "o-"), ("planner", "s-")):
                     points = sorted((r["latency_ratio"], r[metric]) for r in rows.values() if r["kind"] == kind)
                     if points:
-                        ax.plot(
-                            *zip(*points, strict=True), marker, label="merging alone" if kind == "merging" else kind
-                        )
+                        ax.plot(*zip(*points, strict=True), marker, label=PLOT_LABELS[kind])
                 ax.set_title(f"{size} px: {label} cosine")
                 ax.set_xlabel("latency ratio (batch 1, CPU)")
                 ax.grid(alpha=0.3)

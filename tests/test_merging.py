@@ -80,11 +80,16 @@ def _hf_parts(layer: nn.Module) -> dict:
     }
 
 
-def _reference_image(tokens: torch.Tensor, parts: list[dict], schedule: list[int], prefix: int) -> torch.Tensor:
-    """One image (N, C) through the blocks with ToMe, token by token in Python, float64; returns (N, C) unmerged."""
+def _reference_image(
+    tokens: torch.Tensor, parts: list[dict], schedule: list[int], prefix: int, unmerge: str = "residual"
+) -> torch.Tensor:
+    """One image (N, C) through the blocks with ToMe, token by token in Python, float64; returns (N, C) unmerged:
+    "copy" gives each original token its group's final value, "residual" adds what every merge took from it (its
+    value before the merge minus the merged value)."""
     x = [tokens[i] for i in range(tokens.shape[0])]
     size = [1.0] * len(x)
     groups = [[i] for i in range(len(x))]  # original tokens held by each current token
+    taken = [torch.zeros_like(tokens[0]) for _ in range(tokens.shape[0])]  # per original token
     for p, r in zip(parts, schedule, strict=True):
         n, heads = len(x), p["heads"]
         h = p["norm1"](torch.stack(x))
@@ -114,6 +119,9 @@ def _reference_image(tokens: torch.Tensor, parts: list[dict], schedule: list[int
                 total[j] = total[j] + x[i] * size[i]
                 weight[j] += size[i]
                 held[j] += groups[i]
+            for i, j in [(j, j) for j in b] + list(merged.items()):  # token i went into B token j
+                for member in groups[i]:
+                    taken[member] = taken[member] + x[i] - total[j] / weight[j]
             order = list(range(prefix)) + [i for i in a if i not in merged]
             x = [x[i] for i in order] + [total[j] / weight[j] for j in b]
             size = [size[i] for i in order] + [weight[j] for j in b]
@@ -122,28 +130,31 @@ def _reference_image(tokens: torch.Tensor, parts: list[dict], schedule: list[int
     full = [None] * tokens.shape[0]
     for token, members in zip(x, groups, strict=True):
         for i in members:
-            full[i] = token
+            full[i] = token + taken[i] if unmerge == "residual" else token
     return torch.stack(full)
 
 
-def _timm_reference(model: nn.Module, images: torch.Tensor, schedule: list[int], vca_blocks: int = 0) -> torch.Tensor:
+def _timm_reference(
+    model: nn.Module, images: torch.Tensor, schedule: list[int], vca_blocks: int = 0, unmerge: str = "residual"
+) -> torch.Tensor:
     with torch.no_grad():
         x = model.norm_pre(model._pos_embed(model.patch_embed(images)))
         for block in model.blocks[:vca_blocks]:  # VCA blocks run as patched (VCA itself is tested elsewhere)
             x = block(x)
         parts = [_timm_parts(b) for b in model.blocks[vca_blocks:]]
-        out = [_reference_image(t, parts, schedule[vca_blocks:], model.num_prefix_tokens) for t in x]
+        out = [_reference_image(t, parts, schedule[vca_blocks:], model.num_prefix_tokens, unmerge) for t in x]
         return model.norm(torch.stack(out))
 
 
-def test_merging_matches_the_float64_reference_and_keeps_layerscale():
+@pytest.mark.parametrize("unmerge", ["residual", "copy"])
+def test_merging_matches_the_float64_reference_and_keeps_layerscale(unmerge):
     model = _timm_vit()
     images = torch.randn(2, 3, 56, 56, dtype=torch.float64)
     schedule = [3, 2, 4, 1]
-    reference = _timm_reference(model, images, schedule)
+    reference = _timm_reference(model, images, schedule, unmerge=unmerge)
     with torch.no_grad():
         original = model.forward_features(images)
-        patch_model(model, MergeConfig(schedule=schedule))
+        patch_model(model, MergeConfig(schedule=schedule, unmerge=unmerge))
         merged = model.forward_features(images)
     assert merged.shape == original.shape  # unmerged: every patch token is back
     error = (merged - reference).abs().max().item()
@@ -264,6 +275,30 @@ def test_config_json_round_trip_and_validation():
         ({"vca_layers": {0: 5}}, "perfect square"),
         ({"vca": {"contrast_tokens": 4}}, "vca takes VCAConfig options"),
         ({"expect": {"depth": 2}}, "expect must give"),
+        ({"unmerge": "average"}, "unmerge must be one of"),
     ]:
         with pytest.raises(ConfigError, match=match):
             MergeConfig(**bad)
+
+
+def test_unmerge_round_trips_and_older_configs_load_as_they_were_made():
+    assert MergeConfig().unmerge == "residual"
+    copied = MergeConfig(r=3, unmerge="copy")
+    assert TargetConfig.from_json(copied.to_json()) == copied
+    saved_before = {k: v for k, v in MergeConfig(r=3).to_dict().items() if k != "unmerge"}
+    assert TargetConfig.from_dict(saved_before).unmerge == "copy"  # ToMe's copy, as such files were made
+    assert MergeConfig.from_dict(saved_before).unmerge == "copy"
+
+
+def test_residual_unmerge_changes_patch_tokens_only():
+    model = _timm_vit()
+    images = torch.randn(2, 3, 56, 56, dtype=torch.float64)
+    outputs = {}
+    for unmerge in ("copy", "residual"):
+        twin = copy.deepcopy(model)
+        patch_model(twin, MergeConfig(r=3, unmerge=unmerge))
+        with torch.no_grad():
+            outputs[unmerge] = twin.forward_features(images)
+        assert twin.blocks[0].forward.state.offset is None  # the per-forward state is dropped at the unmerge
+    assert torch.equal(outputs["copy"][:, 0], outputs["residual"][:, 0])
+    assert (outputs["copy"][:, 1:] - outputs["residual"][:, 1:]).abs().max() > 1e-3

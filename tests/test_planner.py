@@ -255,7 +255,11 @@ def test_benchmark_quick_mode(tmp_path):
     assert bench.main(["--quick", "--threads", "1", "--results", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "planner_quick.json").read_text())
     rows = results["sizes"]["56"]["rows"]
-    assert any(r["kind"] == "merging" for r in rows.values()) and any(r["kind"] == "planner" for r in rows.values())
+    assert {r["kind"] for r in rows.values()} == {"tome", "merging", "planner"}
+    for name, row in rows.items():  # ToMe's copy unmerge and ours, at the same r: the same CLS token
+        if row["kind"] == "tome":
+            assert rows[name.replace("ToMe", "merge")]["cls_cosine"] == row["cls_cosine"]
+            assert row["config"]["unmerge"] == "copy"
     for row in rows.values():
         assert row["latency_ratio"] > 0 and -1 <= row["cls_cosine"] <= 1
     assert (tmp_path / "planner_quick.png").stat().st_size > 1000

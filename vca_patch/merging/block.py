@@ -80,15 +80,27 @@ class MergeState(threading.local):
     def reset(self) -> None:
         self.size: torch.Tensor | None = None  # (B, N', 1), float32 or wider: original tokens in each current token
         self.source: torch.Tensor | None = None  # (B, N): current token of each original token
+        self.offset: torch.Tensor | None = None  # (B, N, C), "residual" unmerge: what merging took from each token
         self.kept: list[int] = []  # tokens after each block of the last forward (for reports)
         self.metric: torch.Tensor | None = None  # the last merging attention's keys, averaged over heads
 
 
 class MergingForward:
-    """The forward of one merging block; `r` tokens merge after its attention (0: proportional attention only)."""
+    """The forward of one merging block; `r` tokens merge after its attention (0: proportional attention only).
+    `residual`: the last block's unmerge gives each token back what merging took from it (see the module notes)."""
 
-    def __init__(self, block: nn.Module, family: BlockFamily, r: int, first: bool, last: bool, state: MergeState):
+    def __init__(
+        self,
+        block: nn.Module,
+        family: BlockFamily,
+        r: int,
+        first: bool,
+        last: bool,
+        state: MergeState,
+        residual: bool = True,
+    ):
         self.block, self.family, self.r, self.first, self.last, self.state = block, family, r, first, last, state
+        self.residual = residual
 
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         family, block, state = self.family, self.block, self.state
@@ -117,18 +129,31 @@ class MergingForward:
                 precision = torch.promote_types(x.dtype, torch.float32)  # sizes count tokens: not in half
                 state.size = torch.ones(batch, tokens, 1, device=x.device, dtype=precision)
                 state.source = torch.arange(tokens, device=x.device).expand(batch, -1)
+                state.offset = torch.zeros_like(x) if self.residual else None
             prefix = attn.layout_source().num_prefix_tokens  # the token layout of this forward (surgery sets it)
             merge = bipartite_soft_matching(metric, self.r, prefix)
-            state.source = merge.positions().gather(1, state.source)
-            x, state.size = merge.merge(x, state.size)
+            positions = merge.positions()  # (B, N'): where each current token goes
+            merged, state.size = merge.merge(x, state.size)
+            if state.offset is not None:  # each original token keeps its stream's difference from its group's mean
+                taken = x - gather_tokens(merged, positions)  # (B, N', C)
+                state.offset = state.offset + gather_tokens(taken, state.source)
+            state.source = positions.gather(1, state.source)
+            x = merged
         x = x + part(family.drop2)(part(family.ls2)(part(family.mlp)(part(family.norm2)(x))))
         state.kept.append(int(x.shape[1]))
         if self.last and state.source is not None:
-            x = unmerge(x, state.source)
-            state.size = state.source = None
+            x = unmerge(x, state.source, state.offset)
+            state.size = state.source = state.offset = None
         return x
 
 
-def unmerge(x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """Copy each merged token back to every original token it holds: (B, N', C), (B, N) -> (B, N, C)."""
-    return x.gather(1, source.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[b, index[b, i]]: (B, N', C), (B, N) -> (B, N, C)."""
+    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+def unmerge(x: torch.Tensor, source: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """Every original token back: the merged token it went into, (B, N', C) with `source` (B, N) -> (B, N, C), plus
+    its own `offset` (B, N, C) when given ("residual" unmerge; None: ToMe's copy)."""
+    full = gather_tokens(x, source)
+    return full if offset is None else full + offset

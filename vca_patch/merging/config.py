@@ -17,6 +17,7 @@ _VCA_OPTIONS = {"softmax", "init", "rms_eps", "prefix_readout", "stage2_temperat
 # MANOConfig options a merge config passes to its MANO layers (the window is per layer, in mano_layers).
 _MANO_OPTIONS = {"rate", "levels", "down", "up", "init", "prefix", "pad"}
 _EXPECT_KEYS = ("depth", "dim", "num_heads")
+UNMERGE_MODES = ("residual", "copy")
 
 
 def _is_int(value: Any) -> bool:
@@ -44,9 +45,9 @@ class MergeConfig(TargetConfig):
     """Token merging (ToMe, Bolya et al., ICLR 2023): bipartite soft matching between attention and MLP.
 
     Every block's attention becomes softmax attention with proportional attention (log token size added to the
-    logits) and `r` tokens merge after it (size-weighted averages; prefix tokens never merge); the last block copies
-    merged tokens back to their patches, so the output keeps all N tokens. LayerScale (timm `ls1`/`ls2`, DINOv2
-    `layer_scale1/2`) is kept. Supported blocks: timm `VisionTransformer` blocks, transformers `Dinov2Layer`.
+    logits) and `r` tokens merge after it (size-weighted averages; prefix tokens never merge); the last block gives
+    merged tokens back to their patches (`unmerge`), so the output keeps all N tokens. LayerScale (timm `ls1`/`ls2`,
+    DINOv2 `layer_scale1/2`) is kept. Supported blocks: timm `VisionTransformer` blocks, transformers `Dinov2Layer`.
 
     Attributes:
         r: tokens merged in each block (clipped to half the patch tokens left).
@@ -59,6 +60,10 @@ class MergeConfig(TargetConfig):
             only before the first block that merges, and never a block that is in vca_layers too.
         mano: MANOConfig options for those blocks (rate, levels, down, up, init, prefix, pad).
         expect: {"depth", "dim", "num_heads"} of the model a plan was made for; patching another model is refused.
+        unmerge: how the output's patch tokens come back: "residual" (the default: the merged token plus what
+            merging took from each patch, so merged patches differ again) or "copy" (ToMe's: the merged token as is).
+            A CLS or other prefix read-out is the same either way. A saved config without this key (written before
+            it existed) loads as "copy", the way it was made.
     """
 
     target: ClassVar[str] = "merge"
@@ -70,9 +75,16 @@ class MergeConfig(TargetConfig):
     mano_layers: dict[int, int] | None = None
     mano: dict[str, Any] = field(default_factory=dict)
     expect: dict[str, int] | None = None
+    unmerge: str = "residual"
+
+    @classmethod
+    def saved_defaults(cls) -> dict[str, Any]:
+        return {"unmerge": "copy"}  # configs saved before the option were made with ToMe's copy
 
     def validate(self) -> None:
         super().validate()
+        if self.unmerge not in UNMERGE_MODES:
+            raise ConfigError(f"unmerge must be one of {list(UNMERGE_MODES)}, got {self.unmerge!r}")
         if not _is_int(self.r) or self.r < 0:
             raise ConfigError(f"r must be a non-negative integer (tokens merged per block), got {self.r!r}")
         if self.schedule is not None:
@@ -195,7 +207,13 @@ class MergeConfig(TargetConfig):
         state = MergeState()
         return {
             i: MergingForward(
-                blocks[i][0], families[i], self.r_for(i), first=i == merging[0], last=i == indices[-1], state=state
+                blocks[i][0],
+                families[i],
+                self.r_for(i),
+                first=i == merging[0],
+                last=i == indices[-1],
+                state=state,
+                residual=self.unmerge == "residual",
             )
             for i in merging
         }
