@@ -299,6 +299,6 @@ def test_residual_unmerge_changes_patch_tokens_only():
         patch_model(twin, MergeConfig(r=3, unmerge=unmerge))
         with torch.no_grad():
             outputs[unmerge] = twin.forward_features(images)
-        assert twin.blocks[0].forward.state.offset is None  # the per-forward state is dropped at the unmerge
+        assert twin.blocks[0].forward.state.steps == []  # the per-forward state is dropped at the unmerge
     assert torch.equal(outputs["copy"][:, 0], outputs["residual"][:, 0])
     assert (outputs["copy"][:, 1:] - outputs["residual"][:, 1:]).abs().max() > 1e-3

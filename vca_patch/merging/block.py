@@ -80,7 +80,9 @@ class MergeState(threading.local):
     def reset(self) -> None:
         self.size: torch.Tensor | None = None  # (B, N', 1), float32 or wider: original tokens in each current token
         self.source: torch.Tensor | None = None  # (B, N): current token of each original token
-        self.offset: torch.Tensor | None = None  # (B, N, C), "residual" unmerge: what merging took from each token
+        # "residual" unmerge, per merge: (positions (B, N_k), rows (B, 2r), taken (B, 2r, C)): where each token went,
+        # the tokens that merged (A sources, then B destinations) and what merging took from each of them
+        self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.kept: list[int] = []  # tokens after each block of the last forward (for reports)
         self.metric: torch.Tensor | None = None  # the last merging attention's keys, averaged over heads
 
@@ -129,21 +131,22 @@ class MergingForward:
                 precision = torch.promote_types(x.dtype, torch.float32)  # sizes count tokens: not in half
                 state.size = torch.ones(batch, tokens, 1, device=x.device, dtype=precision)
                 state.source = torch.arange(tokens, device=x.device).expand(batch, -1)
-                state.offset = torch.zeros_like(x) if self.residual else None
             prefix = attn.layout_source().num_prefix_tokens  # the token layout of this forward (surgery sets it)
             merge = bipartite_soft_matching(metric, self.r, prefix)
-            positions = merge.positions()  # (B, N'): where each current token goes
+            positions = merge.positions()  # (B, N_k): where each current token goes
             merged, state.size = merge.merge(x, state.size)
-            if state.offset is not None:  # each original token keeps its stream's difference from its group's mean
-                taken = x - gather_tokens(merged, positions)  # (B, N', C)
-                state.offset = state.offset + gather_tokens(taken, state.source)
+            if self.residual:  # only merged tokens differ from where they went: keep what merging took from those
+                rows = merge.merged_rows()
+                taken = gather_tokens(x, rows) - gather_tokens(merged, positions.gather(1, rows))
+                state.steps.append((positions, rows, taken))
             state.source = positions.gather(1, state.source)
             x = merged
         x = x + part(family.drop2)(part(family.ls2)(part(family.mlp)(part(family.norm2)(x))))
         state.kept.append(int(x.shape[1]))
         if self.last and state.source is not None:
-            x = unmerge(x, state.source, state.offset)
-            state.size = state.source = state.offset = None
+            x = residual_unmerge(x, state.steps) if self.residual else unmerge(x, state.source)
+            state.size = state.source = None
+            state.steps = []
         return x
 
 
@@ -152,8 +155,19 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
 
 
-def unmerge(x: torch.Tensor, source: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
-    """Every original token back: the merged token it went into, (B, N', C) with `source` (B, N) -> (B, N, C), plus
-    its own `offset` (B, N, C) when given ("residual" unmerge; None: ToMe's copy)."""
-    full = gather_tokens(x, source)
-    return full if offset is None else full + offset
+def unmerge(x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """ToMe's unmerge: each original token gets the merged token it went into, (B, N', C), (B, N) -> (B, N, C)."""
+    return gather_tokens(x, source)
+
+
+def residual_unmerge(x: torch.Tensor, steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Every original token back with what each merge took from it: the merges undone last to first, each copying
+    tokens back to where they were (N_{k+1} -> N_k) and adding `taken` to the tokens that merged there.
+    Exactly the merged token plus the sum over merges of (its stream before the merge - its group's mean), computed
+    on 2r rows per merge instead of all N."""
+    channels = x.shape[-1]
+    for positions, rows, taken in reversed(steps):
+        x = gather_tokens(x, positions)  # a new tensor: written in place below (gather's backward needs only indices)
+        index = rows.unsqueeze(-1).expand(-1, -1, channels)  # a B token several A tokens merged into: the same value
+        x.scatter_(1, index, x.gather(1, index) + taken)
+    return x

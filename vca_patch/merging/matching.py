@@ -50,6 +50,11 @@ class TokenMerge:
         new_size = torch.cat([size[:, : self.prefix], size_a.gather(1, kept), size_b], dim=1)
         return out / new_size.to(x.dtype), new_size
 
+    def merged_rows(self) -> torch.Tensor:
+        """(B, 2r): the input indices of the tokens that merged: the A tokens that merged away, then the B tokens
+        each went into (a B token appears once per A token it took)."""
+        return torch.cat([self.a_index[self.src], self.b_index[self.dst]], dim=1)
+
     def positions(self) -> torch.Tensor:
         """(B, N): the index, in the merged sequence, of the token each input token went into."""
         batch = self.kept.shape[0]

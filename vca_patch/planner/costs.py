@@ -68,7 +68,8 @@ class LatencyTable:
     """Measured batch-1 seconds: one softmax block at several token counts, one VCA block per n and one MANO block
     per window k at the full grid, the rest of the model (embedding, final norm), and the whole original model.
     `merge_overhead_s`: what a merging block costs over a softmax block at each of those token counts (the bipartite
-    matching, the merge and proportional attention); empty: not measured (no overhead counted)."""
+    matching, the merge, proportional attention and undoing the merge at the unmerge); empty: not measured (no
+    overhead counted)."""
 
     original_s: float
     other_s: float
@@ -159,6 +160,8 @@ def measure_latency_table(
         patch_model(twin, config)
         twins.append(twin)
         twin_block, tracker = info.blocks(twin)[0], get_patch_state(twin).tracker
+        if isinstance(config, MergeConfig):  # its block unmerges too: a residual unmerge undoes every merge once
+            twin_block.forward.last = True
         for key, x in timed.items():
 
             def run(b=twin_block, t=tracker, x=x):
