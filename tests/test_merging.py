@@ -302,3 +302,16 @@ def test_residual_unmerge_changes_patch_tokens_only():
         assert twin.blocks[0].forward.state.steps == []  # the per-forward state is dropped at the unmerge
     assert torch.equal(outputs["copy"][:, 0], outputs["residual"][:, 0])
     assert (outputs["copy"][:, 1:] - outputs["residual"][:, 1:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_merge_and_unmerge_in_their_dtype(dtype):
+    model = _timm_vit().float()
+    images = torch.randn(2, 3, 56, 56)
+    with torch.no_grad():
+        patch_model(model, MergeConfig(r=3))
+        full = model.forward_features(images)
+        half = model.to(dtype).forward_features(images.to(dtype))
+    assert half.dtype == dtype and half.shape == full.shape and torch.isfinite(half).all()
+    cosine = torch.nn.functional.cosine_similarity(half.float(), full, dim=-1)
+    assert cosine.min() > 0.995, cosine.min()  # measured 0.9999: rounding only
