@@ -27,7 +27,7 @@ from torch import nn
 import vca_patch
 from vca_patch.io.atomic import atomic_write_text
 from vca_patch.merging import MergeConfig
-from vca_patch.planner import candidates, choose_measured, model_info, pareto, plan_config
+from vca_patch.planner import candidates, choose_measured, model_info, pareto, plan_config, unmerge_for
 from vca_patch.planner.costs import measure_latency_table
 from vca_patch.planner.model_info import PlanError
 from vca_patch.planner.planner import apply_plan
@@ -71,20 +71,23 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
     info = model_info(model)
     started = time.perf_counter()
     mano_windows, repeats = settings["mano_windows"], settings["repeats"]
-    table = measure_latency_table(model, info, size, settings["ns"], mano_windows=mano_windows, repeats=repeats)
+    unmerge = unmerge_for("both")  # the planner's, for its objective here
+    table = measure_latency_table(
+        model, info, size, settings["ns"], mano_windows=mano_windows, repeats=repeats, unmerge=unmerge
+    )
     windows = table.faster_mano_windows()  # as `plan_model`: a MANO block slower than softmax could never be chosen
     log(f"  MANO windows faster than a softmax block here: {windows} of {mano_windows}")
     starts = sorted(set(range(0, info.depth, max(1, info.depth // 4))))
     sens = measure_sensitivity(
         model, info, calib, size, contrast_tokens=settings["ns"], merge_starts=starts, merge_fractions=MERGE_FRACTIONS,
-        mano_windows=windows, log=log,
+        mano_windows=windows, unmerge=unmerge, log=log,
     )  # fmt: skip
     cands = candidates(info, size, table, sens, "both")
     plan_seconds = time.perf_counter() - started
     configs: dict[str, MergeConfig] = {}
     for r in merge_rates(info, size, 0, MERGE_FRACTIONS):
         configs[f"ToMe r={r}"] = MergeConfig(r=r, unmerge="copy")  # the peer: ToMe's own unmerge
-        configs[f"merge r={r}"] = MergeConfig(r=r)
+        configs[f"merge r={r}"] = MergeConfig(r=r, unmerge=unmerge)
     chosen, measured = {}, {}
     for budget in settings["budgets"]:
         try:
@@ -93,7 +96,7 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
             log(f"  budget {budget}: {error}")
             continue
         chosen[budget] = cand
-        configs.setdefault(f"plan {cand.describe()}", plan_config(cand, info))
+        configs.setdefault(f"plan {cand.describe()}", plan_config(cand, info, unmerge=unmerge))
     log(f"  measuring {len(configs)} conversions on {len(held)} held-out images")
     reference = tokens(model, held, 4)
     models = {"original": model}

@@ -81,7 +81,7 @@ def _hf_parts(layer: nn.Module) -> dict:
 
 
 def _reference_image(
-    tokens: torch.Tensor, parts: list[dict], schedule: list[int], prefix: int, unmerge: str = "residual"
+    tokens: torch.Tensor, parts: list[dict], schedule: list[int], prefix: int, unmerge: str = "copy"
 ) -> torch.Tensor:
     """One image (N, C) through the blocks with ToMe, token by token in Python, float64; returns (N, C) unmerged:
     "copy" gives each original token its group's final value, "residual" adds what every merge took from it (its
@@ -135,7 +135,7 @@ def _reference_image(
 
 
 def _timm_reference(
-    model: nn.Module, images: torch.Tensor, schedule: list[int], vca_blocks: int = 0, unmerge: str = "residual"
+    model: nn.Module, images: torch.Tensor, schedule: list[int], vca_blocks: int = 0, unmerge: str = "copy"
 ) -> torch.Tensor:
     with torch.no_grad():
         x = model.norm_pre(model._pos_embed(model.patch_embed(images)))
@@ -204,8 +204,8 @@ def test_transformers_dinov2_matches_the_reference():
         original = model(pixel_values=images)
         x = model.embeddings(images)
         parts = [_hf_parts(layer) for layer in model.encoder.layer]
-        reference = model.layernorm(torch.stack([_reference_image(t, parts, schedule, 1) for t in x]))
-        patch_model(model, MergeConfig(schedule=schedule))
+        reference = model.layernorm(torch.stack([_reference_image(t, parts, schedule, 1, "residual") for t in x]))
+        patch_model(model, MergeConfig(schedule=schedule, unmerge="residual"))
         merged = model(pixel_values=images)
     assert merged.last_hidden_state.shape == original.last_hidden_state.shape
     error = (merged.last_hidden_state - reference).abs().max().item()
@@ -281,13 +281,12 @@ def test_config_json_round_trip_and_validation():
             MergeConfig(**bad)
 
 
-def test_unmerge_round_trips_and_older_configs_load_as_they_were_made():
-    assert MergeConfig().unmerge == "residual"
-    copied = MergeConfig(r=3, unmerge="copy")
-    assert TargetConfig.from_json(copied.to_json()) == copied
-    saved_before = {k: v for k, v in MergeConfig(r=3).to_dict().items() if k != "unmerge"}
-    assert TargetConfig.from_dict(saved_before).unmerge == "copy"  # ToMe's copy, as such files were made
-    assert MergeConfig.from_dict(saved_before).unmerge == "copy"
+def test_unmerge_defaults_to_tomes_copy_and_round_trips():
+    assert MergeConfig().unmerge == "copy"
+    residual = MergeConfig(r=3, unmerge="residual")
+    assert TargetConfig.from_json(residual.to_json()) == residual
+    saved_before = {k: v for k, v in residual.to_dict().items() if k != "unmerge"}  # a file from before the option
+    assert TargetConfig.from_dict(saved_before).unmerge == "copy"
 
 
 def test_residual_unmerge_changes_patch_tokens_only():
@@ -309,7 +308,7 @@ def test_half_precision_models_merge_and_unmerge_in_their_dtype(dtype):
     model = _timm_vit().float()
     images = torch.randn(2, 3, 56, 56)
     with torch.no_grad():
-        patch_model(model, MergeConfig(r=3))
+        patch_model(model, MergeConfig(r=3, unmerge="residual"))
         full = model.forward_features(images)
         half = model.to(dtype).forward_features(images.to(dtype))
     assert half.dtype == dtype and half.shape == full.shape and torch.isfinite(half).all()

@@ -139,12 +139,28 @@ def test_plan_model_end_to_end_and_the_plan_file(tmp_path):
     assert data["model"] == {"name": "tiny", "depth": 4, "dim": 64, "num_heads": 4, "resolution": RES}
     config = load_plan(path)
     assert config == result.config and config.expect == {"depth": 4, "dim": 64, "num_heads": 4}
+    assert config.unmerge == "residual"  # the default objective ("both") reads patch tokens
     patch_model(model, config)
     with torch.no_grad():
         out = model.forward_features(images)
     scores = torch.nn.functional.cosine_similarity(out[:, 0], reference[:, 0])
     assert scores.mean().item() == pytest.approx(result.measured["cls_cosine"], abs=0.05)
     unpatch_model(model)
+
+
+def test_a_cls_objective_plans_with_tomes_copy_and_a_bad_objective_fails_first(monkeypatch):
+    from vca_patch.planner import planner as planner_module
+
+    model = _tiny()
+    images = torch.randn(3, 3, RES, RES)
+    result = plan_model(
+        model, images, budget=1.5, resolution=RES, contrast_tokens=(), merge_starts=(0,), merge_fractions=(0.5,),
+        mano_windows=(), calibrate=False, objective="cls", measure=False, repeats=1,
+    )  # fmt: skip
+    assert result.config.unmerge == "copy"
+    monkeypatch.setattr(planner_module, "measure_latency_table", None)  # nothing is timed before the check
+    with pytest.raises(PlanError, match="objective must be one of"):
+        plan_model(model, images, budget=0.5, resolution=RES, objective="dense")
 
 
 def test_a_plan_for_another_model_or_a_bad_file_is_refused(tmp_path):

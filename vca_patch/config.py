@@ -121,13 +121,7 @@ class TargetConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown {config_cls.__name__} keys {unknown}; valid keys: {sorted(known)}")
-        return config_cls(**{**config_cls.saved_defaults(), **data})
-
-    @classmethod
-    def saved_defaults(cls) -> dict[str, Any]:
-        """Values for keys that configs saved before those keys existed lack, where they differ from today's
-        defaults: a saved config then rebuilds what it was made with. Default: none."""
-        return {}
+        return config_cls(**data)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

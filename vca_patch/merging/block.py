@@ -3,8 +3,13 @@
 Surgery sets a `MergingForward` as the block's `forward` (an instance attribute, removed by `unpatch_model`; the
 block's modules and state-dict keys stay as they are). The blocks of one model share a `MergeState`: the sizes of
 the current tokens and, for each original token, the current token it went into. The first merging block of a
-forward starts it afresh; the last one copies every merged token back to its tokens ("unmerge"), so the model's
-output has all N tokens again (dense heads read every patch; a CLS read-out is unchanged, prefix tokens never merge).
+forward starts it afresh; the last one gives every original token back ("unmerge"), so the model's output has all N
+tokens again (dense heads read every patch; a CLS read-out is unchanged, prefix tokens never merge):
+- "copy" (ToMe's, the default): each original token gets the final value of the token it went into;
+- "residual": that value plus what merging took from the token, the difference between its residual stream and its
+  group's mean at each merge. Blocks are residual, so a token's own part of the stream passes through them; giving
+  it back makes merged patches differ again. Each merge keeps only its 2r merged rows; the unmerge undoes the merges
+  last to first (one gather per merge), a little more time than the copy's single gather.
 """
 
 from __future__ import annotations
@@ -99,7 +104,7 @@ class MergingForward:
         first: bool,
         last: bool,
         state: MergeState,
-        residual: bool = True,
+        residual: bool = False,
     ):
         self.block, self.family, self.r, self.first, self.last, self.state = block, family, r, first, last, state
         self.residual = residual

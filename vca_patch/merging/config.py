@@ -60,10 +60,10 @@ class MergeConfig(TargetConfig):
             only before the first block that merges, and never a block that is in vca_layers too.
         mano: MANOConfig options for those blocks (rate, levels, down, up, init, prefix, pad).
         expect: {"depth", "dim", "num_heads"} of the model a plan was made for; patching another model is refused.
-        unmerge: how the output's patch tokens come back: "residual" (the default: the merged token plus what
-            merging took from each patch, so merged patches differ again) or "copy" (ToMe's: the merged token as is).
-            A CLS or other prefix read-out is the same either way. A saved config without this key (written before
-            it existed) loads as "copy", the way it was made.
+        unmerge: how the output's patch tokens come back: "copy" (ToMe's, the default: the merged token as is) or
+            "residual" (the merged token plus what merging took from each patch, so merged patches differ again:
+            better dense outputs for a little more time; the planner picks it unless its objective is the CLS
+            token). A CLS or other prefix read-out is the same either way.
     """
 
     target: ClassVar[str] = "merge"
@@ -75,11 +75,7 @@ class MergeConfig(TargetConfig):
     mano_layers: dict[int, int] | None = None
     mano: dict[str, Any] = field(default_factory=dict)
     expect: dict[str, int] | None = None
-    unmerge: str = "residual"
-
-    @classmethod
-    def saved_defaults(cls) -> dict[str, Any]:
-        return {"unmerge": "copy"}  # configs saved before the option were made with ToMe's copy
+    unmerge: str = "copy"
 
     def validate(self) -> None:
         super().validate()

@@ -132,9 +132,10 @@ def measure_latency_table(
     *,
     mano_windows: Sequence[int] = (),
     repeats: int = 3,
+    unmerge: str = "copy",
 ) -> LatencyTable:
-    """Time the original model, its first block at a few token counts (softmax, and merging one token: the
-    matching's overhead) and that block as VCA(n) and as MANO(k) at the full grid."""
+    """Time the original model, its first block at a few token counts (softmax, and merging one token with
+    `unmerge`: the matching's overhead) and that block as VCA(n) and as MANO(k) at the full grid."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     full = info.tokens(resolution)
@@ -153,7 +154,8 @@ def measure_latency_table(
         (VCAConfig(contrast_tokens=n, layers=[0]), {f"vca:{n}": x_full}) for n in contrast_tokens
     ]
     converted += [(MANOConfig(window=k, layers=[0]), {f"mano:{k}": x_full}) for k in mano_windows]
-    converted.append((MergeConfig(schedule=[1] + [0] * (info.depth - 1)), {f"merge:{t}": x for t, x in inputs.items()}))
+    merging = MergeConfig(schedule=[1] + [0] * (info.depth - 1), unmerge=unmerge)
+    converted.append((merging, {f"merge:{t}": x for t, x in inputs.items()}))
     twins = []  # kept alive while timing
     for config, timed in converted:
         twin = copy.deepcopy(model)

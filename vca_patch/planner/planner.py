@@ -17,12 +17,18 @@ from ..surgery import patch_model
 from .costs import LatencyTable, measure_latency_table
 from .images import split_for_measurement
 from .model_info import ModelInfo, PlanError, model_info
-from .search import Candidate, candidates, choose, pareto
+from .search import OBJECTIVES, Candidate, candidates, choose, pareto
 from .sensitivity import Sensitivity, measure_sensitivity
 
 DEFAULT_CONTRAST_TOKENS = (16, 49)
 DEFAULT_MERGE_FRACTIONS = (0.3, 0.5, 0.7, 0.85, 0.95)
 DEFAULT_MANO_WINDOWS = (7,)
+
+
+def unmerge_for(objective: str) -> str:
+    """The unmerge a plan uses: ToMe's copy for a CLS read-out (the same CLS, less time), else the residual one
+    (merged patches get back what merging took from them: better patch tokens)."""
+    return "copy" if objective == "cls" else "residual"
 
 
 @dataclass
@@ -68,7 +74,7 @@ class PlanResult:
         }
 
 
-def plan_config(candidate: Candidate, info: ModelInfo, *, calibrate: bool = True) -> MergeConfig:
+def plan_config(candidate: Candidate, info: ModelInfo, *, calibrate: bool = True, unmerge: str = "copy") -> MergeConfig:
     """The MergeConfig that applies `candidate` (and refuses other models)."""
     return MergeConfig(
         schedule=list(candidate.schedule),
@@ -76,6 +82,7 @@ def plan_config(candidate: Candidate, info: ModelInfo, *, calibrate: bool = True
         mano_layers=dict(candidate.mano_layers) or None,
         vca={"token_magnitude": True} if calibrate and candidate.vca_layers else {},
         expect=info.expect(),
+        unmerge=unmerge,
     )
 
 
@@ -167,7 +174,7 @@ def choose_measured(
         scores = measured.get(cand.describe())
         if scores is None:
             reference = tokens(model, held_out, 8) if reference is None else reference
-            config = plan_config(cand, info, calibrate=calibrate)
+            config = plan_config(cand, info, calibrate=calibrate, unmerge=unmerge_for(objective))
             scores = measured[cand.describe()] = plan_fidelity(model, config, held_out, reference, fit)
         if log is not None:
             log(f"  {cand.describe()}: predicted {cand.score(objective):.4f}, "
@@ -203,6 +210,8 @@ def plan_model(
     never pick it), so its sensitivity is not measured.
     """
     log = log or (lambda message: None)
+    if objective not in OBJECTIVES:
+        raise PlanError(f"objective must be one of {list(OBJECTIVES)}, got {objective!r}")
     if not budget > 0:
         raise PlanError(f"budget must be a positive latency ratio (e.g. 0.5 = half the original's), got {budget!r}")
     if images.ndim != 4 or tuple(images.shape[-2:]) != (resolution, resolution):
@@ -217,7 +226,10 @@ def plan_model(
     if any(not 0 <= j < info.depth for j in starts):
         raise PlanError(f"merge starts must be blocks 0..{info.depth - 1}, got {starts}")
     log(f"timing blocks at {resolution} px ({info.tokens(resolution)} tokens)")
-    table = measure_latency_table(model, info, resolution, contrast_tokens, mano_windows=mano_windows, repeats=repeats)
+    unmerge = unmerge_for(objective)
+    table = measure_latency_table(
+        model, info, resolution, contrast_tokens, mano_windows=mano_windows, repeats=repeats, unmerge=unmerge
+    )
     windows = table.faster_mano_windows()
     for k in sorted(set(mano_windows) - set(windows)):
         log(f"  MANO k={k}: a block takes {1e3 * table.mano_s[k]:.1f} ms, softmax {1e3 * table.softmax_s[-1]:.1f} ms "
@@ -225,12 +237,12 @@ def plan_model(
     log(f"measuring sensitivity on {len(images)} images")
     sens = measure_sensitivity(
         model, info, images, resolution, contrast_tokens=contrast_tokens, merge_starts=starts,
-        merge_fractions=merge_fractions, mano_windows=windows, calibrate=calibrate, log=log,
+        merge_fractions=merge_fractions, mano_windows=windows, calibrate=calibrate, unmerge=unmerge, log=log,
     )  # fmt: skip
     cands = candidates(info, resolution, table, sens, objective)
     log("measuring the best predicted plans on the calibration images")
     chosen, _ = choose_measured(model, info, cands, budget, objective, images, calibrate=calibrate, log=log)
-    config = plan_config(chosen, info, calibrate=calibrate)
+    config = plan_config(chosen, info, calibrate=calibrate, unmerge=unmerge)
     measured: dict[str, float] = {}
     if measure:
         log("measuring the chosen plan")

@@ -80,10 +80,12 @@ def measure_sensitivity(
     merge_fractions: Sequence[float],
     mano_windows: Sequence[int] = (),
     calibrate: bool = True,
+    unmerge: str = "copy",
     log: Callable[[str], None] | None = None,
 ) -> Sensitivity:
     """Measure every candidate alone; the model is left unpatched as it came. With calibration, VCA blocks are
-    calibrated on every other image and every candidate is scored on the rest (`split_for_measurement`)."""
+    calibrated on every other image and every candidate is scored on the rest (`split_for_measurement`). Merging
+    is measured with `unmerge` (MergeConfig's), as the plan will apply it."""
     log = log or (lambda message: None)
     fit, images = split_for_measurement(images, calibrate)
     states = block_inputs(model, info, images)
@@ -91,7 +93,7 @@ def measure_sensitivity(
     result = Sensitivity()
     for start in merge_starts:
         for r in merge_rates(info, resolution, start, merge_fractions):
-            patch_model(model, MergeConfig(schedule=[0] * start + [r] * (info.depth - start)))
+            patch_model(model, MergeConfig(schedule=[0] * start + [r] * (info.depth - start), unmerge=unmerge))
             try:
                 result.merge[(start, r)] = _loss(reference, run_from(model, info, start, states[start], resolution))
             finally:
