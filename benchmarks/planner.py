@@ -4,12 +4,13 @@
     python benchmarks/planner.py --sizes 224 518 1036
     python benchmarks/planner.py --quick             # seconds: a tiny random-weight ViT (tests)
 
-For each size: token merging alone at several r (r per block from block 0), both as ToMe has it (merged tokens
-copied back to their patches, "ToMe r=...") and with our residual unmerge ("merge r=...", the default), and the
-planner's choice at each budget (`vca_patch.planner`: measured per-layer sensitivity + latency, VCA in the blocks
-before the first merge, calibrated on the calibration crops) are measured on held-out photos (never calibrated on):
-CLS cosine, per-patch-token cosine and mean-patch cosine to the original, and the batch-1 CPU latency ratio, all
-models timed interleaved. Writes RESULTS/planner[_quick].json, .png and .md (also printed).
+For each size: token merging alone at several r (r per block from block 0), as ToMe has it (merged tokens copied
+back to their patches, "merge r=...") and with the residual unmerge ("residual r=...": each patch also gets back
+what merging took from it), and the planner's choice at each budget (`vca_patch.planner`: measured per-layer
+sensitivity + latency, VCA in the blocks before the first merge, calibrated on the calibration crops) are measured
+on held-out photos (never calibrated on): CLS cosine, per-patch-token cosine and mean-patch cosine to the original,
+and the batch-1 CPU latency ratio, all models timed interleaved. Writes RESULTS/planner[_quick].json, .png and
+.md (also printed).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 import vca_patch
 from vca_patch.io.atomic import atomic_write_text
 from vca_patch.merging import MergeConfig
-from vca_patch.planner import candidates, choose_measured, model_info, pareto, plan_config, unmerge_for
+from vca_patch.planner import candidates, choose_measured, model_info, pareto, plan_config
 from vca_patch.planner.costs import measure_latency_table
 from vca_patch.planner.model_info import PlanError
 from vca_patch.planner.planner import apply_plan
@@ -39,12 +40,8 @@ FULL = {"calibration": 8, "eval_crops": 6, "budgets": [0.4, 0.5, 0.6, 0.7, 0.8],
         "mano_windows": [7]}  # fmt: skip
 QUICK = {"calibration": 2, "eval_crops": 0, "budgets": [0.9, 1.5], "ns": [4], "repeats": 1, "mano_windows": [2]}
 MERGE_FRACTIONS = (0.3, 0.5, 0.7, 0.85, 0.95)
-ROW_KINDS = {"ToMe": "tome", "merge": "merging", "plan": "planner"}  # by a row name's first word
-PLOT_LABELS = {
-    "tome": "ToMe (copy unmerge)",
-    "merging": "merging alone (residual unmerge)",
-    "planner": "planner",
-}
+ROW_KINDS = {"merge": "merging", "residual": "residual", "plan": "planner"}  # by a row name's first word
+PLOT_LABELS = {"merging": "merging alone (ToMe)", "residual": "merging, residual unmerge", "planner": "planner"}
 
 
 def _real(size: int, calibration: int, eval_crops: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -71,23 +68,20 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
     info = model_info(model)
     started = time.perf_counter()
     mano_windows, repeats = settings["mano_windows"], settings["repeats"]
-    unmerge = unmerge_for("both")  # the planner's, for its objective here
-    table = measure_latency_table(
-        model, info, size, settings["ns"], mano_windows=mano_windows, repeats=repeats, unmerge=unmerge
-    )
+    table = measure_latency_table(model, info, size, settings["ns"], mano_windows=mano_windows, repeats=repeats)
     windows = table.faster_mano_windows()  # as `plan_model`: a MANO block slower than softmax could never be chosen
     log(f"  MANO windows faster than a softmax block here: {windows} of {mano_windows}")
     starts = sorted(set(range(0, info.depth, max(1, info.depth // 4))))
     sens = measure_sensitivity(
         model, info, calib, size, contrast_tokens=settings["ns"], merge_starts=starts, merge_fractions=MERGE_FRACTIONS,
-        mano_windows=windows, unmerge=unmerge, log=log,
+        mano_windows=windows, log=log,
     )  # fmt: skip
     cands = candidates(info, size, table, sens, "both")
     plan_seconds = time.perf_counter() - started
     configs: dict[str, MergeConfig] = {}
     for r in merge_rates(info, size, 0, MERGE_FRACTIONS):
-        configs[f"ToMe r={r}"] = MergeConfig(r=r, unmerge="copy")  # the peer: ToMe's own unmerge
-        configs[f"merge r={r}"] = MergeConfig(r=r, unmerge=unmerge)
+        configs[f"merge r={r}"] = MergeConfig(r=r)  # the peer: merging alone, merged tokens copied back
+        configs[f"residual r={r}"] = MergeConfig(r=r, unmerge="residual")
     chosen, measured = {}, {}
     for budget in settings["budgets"]:
         try:
@@ -96,7 +90,7 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
             log(f"  budget {budget}: {error}")
             continue
         chosen[budget] = cand
-        configs.setdefault(f"plan {cand.describe()}", plan_config(cand, info, unmerge=unmerge))
+        configs.setdefault(f"plan {cand.describe()}", plan_config(cand, info))
     log(f"  measuring {len(configs)} conversions on {len(held)} held-out images")
     reference = tokens(model, held, 4)
     models = {"original": model}
@@ -158,7 +152,7 @@ def plot(results: dict, path: Path) -> None:
             rows = results["sizes"][size]["rows"]
             for row_index, (metric, label) in enumerate((("cls_cosine", "CLS"), ("patch_token_cosine", "patch token"))):
                 ax = axes[row_index][col]
-                for kind, marker in (("tome", "^--"), ("merging", "o-"), ("planner", "s-")):
+                for kind, marker in (("merging", "o-"), ("residual", "^--"), ("planner", "s-")):
                     points = sorted((r["latency_ratio"], r[metric]) for r in rows.values() if r["kind"] == kind)
                     if points:
                         ax.plot(*zip(*points, strict=True), marker, label=PLOT_LABELS[kind])

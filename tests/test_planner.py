@@ -139,7 +139,7 @@ def test_plan_model_end_to_end_and_the_plan_file(tmp_path):
     assert data["model"] == {"name": "tiny", "depth": 4, "dim": 64, "num_heads": 4, "resolution": RES}
     config = load_plan(path)
     assert config == result.config and config.expect == {"depth": 4, "dim": 64, "num_heads": 4}
-    assert config.unmerge == "residual"  # the default objective ("both") reads patch tokens
+    assert config.unmerge == "copy"
     patch_model(model, config)
     with torch.no_grad():
         out = model.forward_features(images)
@@ -148,19 +148,21 @@ def test_plan_model_end_to_end_and_the_plan_file(tmp_path):
     unpatch_model(model)
 
 
-def test_a_cls_objective_plans_with_tomes_copy_and_a_bad_objective_fails_first(monkeypatch):
+def test_a_residual_unmerge_plan_and_bad_options_failing_first(monkeypatch):
     from vca_patch.planner import planner as planner_module
 
     model = _tiny()
     images = torch.randn(3, 3, RES, RES)
     result = plan_model(
         model, images, budget=1.5, resolution=RES, contrast_tokens=(), merge_starts=(0,), merge_fractions=(0.5,),
-        mano_windows=(), calibrate=False, objective="cls", measure=False, repeats=1,
+        mano_windows=(), calibrate=False, unmerge="residual", measure=False, repeats=1,
     )  # fmt: skip
-    assert result.config.unmerge == "copy"
-    monkeypatch.setattr(planner_module, "measure_latency_table", None)  # nothing is timed before the check
+    assert result.config.unmerge == "residual"
+    monkeypatch.setattr(planner_module, "measure_latency_table", None)  # nothing is timed before the checks
     with pytest.raises(PlanError, match="objective must be one of"):
         plan_model(model, images, budget=0.5, resolution=RES, objective="dense")
+    with pytest.raises(PlanError, match="unmerge must be one of"):
+        plan_model(model, images, budget=0.5, resolution=RES, unmerge="average")
 
 
 def test_a_plan_for_another_model_or_a_bad_file_is_refused(tmp_path):
@@ -220,6 +222,8 @@ def test_cli_plan_then_convert_with_the_plan(tmp_path):
     assert result.exit_code == 0, result.output
     assert "Predicted and measured" in result.output and out.with_suffix(".png").stat().st_size > 1000
     assert load_plan(out).expect == {"depth": 12, "dim": 192, "num_heads": 3}
+    bad = runner.invoke(app, [*args, "--force", "--unmerge", "average"])
+    assert bad.exit_code == 2 and "--unmerge must be one of copy, residual" in bad.output
     again = runner.invoke(app, args)
     assert again.exit_code == 2 and "exists; pass --force" in again.output
 
@@ -271,11 +275,11 @@ def test_benchmark_quick_mode(tmp_path):
     assert bench.main(["--quick", "--threads", "1", "--results", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "planner_quick.json").read_text())
     rows = results["sizes"]["56"]["rows"]
-    assert {r["kind"] for r in rows.values()} == {"tome", "merging", "planner"}
-    for name, row in rows.items():  # ToMe's copy unmerge and ours, at the same r: the same CLS token
-        if row["kind"] == "tome":
-            assert rows[name.replace("ToMe", "merge")]["cls_cosine"] == row["cls_cosine"]
-            assert row["config"]["unmerge"] == "copy"
+    assert {r["kind"] for r in rows.values()} == {"merging", "residual", "planner"}
+    for name, row in rows.items():  # ToMe's copy unmerge and the residual one, at the same r: the same CLS token
+        if row["kind"] == "residual":
+            assert rows[name.replace("residual", "merge")]["cls_cosine"] == row["cls_cosine"]
+            assert row["config"]["unmerge"] == "residual"
     for row in rows.values():
         assert row["latency_ratio"] > 0 and -1 <= row["cls_cosine"] <= 1
     assert (tmp_path / "planner_quick.png").stat().st_size > 1000

@@ -272,5 +272,7 @@ def test_cli_plan_measures_mano_windows_and_the_plan_table_shows_mano_blocks(tmp
         assert f"MANO k={k}: a block takes" in result.output
     assert isinstance(load_plan(out), MergeConfig)
     chosen = Candidate([0, 0, 0, 5], {1: 4}, mano_layers={0: 2})
-    table = plan_table(SimpleNamespace(chosen=chosen, info=_info(), resolution=RES))
+    config = MergeConfig(schedule=[0, 0, 0, 5], unmerge="residual")
+    table = plan_table(SimpleNamespace(chosen=chosen, info=_info(), resolution=RES, config=config))
     assert list(table.columns[1].cells) == ["MANO k=2", "VCA n=4", "softmax", "softmax (proportional)"]
+    assert "residual: plus what merging took from each" in table.caption

@@ -12,6 +12,7 @@ import typer
 from rich.table import Table
 
 from ..config import ConfigError
+from ..merging.config import UNMERGE_MODES
 from ..planner import PlanError, PlanResult, draw_front, plan_model, save_plan
 from ..planner.costs import token_counts
 from ..planner.images import image_files, load_images
@@ -41,6 +42,9 @@ def plan_table(result: PlanResult) -> Table:
         if chosen.schedule[i] or any(chosen.schedule[:i]):
             attention += " (proportional)"
         table.add_row(str(i), attention, str(tokens), str(chosen.schedule[i]))
+    if any(chosen.schedule):
+        how = "plus what merging took from each" if result.config.unmerge == "residual" else "copied back"
+        table.caption = f"merged tokens return to their patches at the end ({result.config.unmerge}: {how})"
     return table
 
 
@@ -93,6 +97,13 @@ def plan(
         str, typer.Option(help="Fractions of the patch tokens merging may remove, e.g. '0.3,0.5,0.7,0.85,0.95'")
     ] = "0.3,0.5,0.7,0.85,0.95",
     objective: Annotated[str, typer.Option(help="What to keep: cls, patch (dense) or both")] = "both",
+    unmerge: Annotated[
+        str,
+        typer.Option(
+            help="How merged tokens return to their patches: copy (ToMe's) or residual (plus what merging took "
+            "from each patch: better patch tokens, a little slower)"
+        ),
+    ] = "copy",
     calibrate: Annotated[bool, typer.Option(help="Calibrate the VCA candidates (training-free)")] = True,
     pretrained: Annotated[
         bool, typer.Option(help="Start from pretrained Hub weights (--no-pretrained: random)")
@@ -113,6 +124,8 @@ def plan(
             raise PlanError(f"--budget must be a positive latency ratio (e.g. 0.5), got {budget}")
         if images < 1 or eval_images < 0:
             raise PlanError("--images must be at least 1 and --eval-images at least 0")
+        if unmerge not in UNMERGE_MODES:
+            raise PlanError(f"--unmerge must be one of {', '.join(UNMERGE_MODES)}, got {unmerge!r}")
         for path in (output, png):
             if path.exists() and not force:
                 raise PlanError(f"{path} exists; pass --force to replace it")
@@ -134,7 +147,8 @@ def plan(
         with console.status(f"Planning {model} at {resolution} px for {budget:g}x latency..."):
             result = plan_model(
                 net, calib, budget=budget, resolution=resolution, contrast_tokens=ns, mano_windows=ks,
-                merge_fractions=fractions, calibrate=calibrate, objective=objective, eval_images=held, repeats=repeats,
+                merge_fractions=fractions, calibrate=calibrate, objective=objective, unmerge=unmerge, eval_images=held,
+                repeats=repeats,
                 log=console.print,
             )  # fmt: skip
     except (PlanError, ConfigError) as exc:

@@ -17,7 +17,7 @@ _VCA_OPTIONS = {"softmax", "init", "rms_eps", "prefix_readout", "stage2_temperat
 # MANOConfig options a merge config passes to its MANO layers (the window is per layer, in mano_layers).
 _MANO_OPTIONS = {"rate", "levels", "down", "up", "init", "prefix", "pad"}
 _EXPECT_KEYS = ("depth", "dim", "num_heads")
-UNMERGE_MODES = ("residual", "copy")
+UNMERGE_MODES = ("copy", "residual")
 
 
 def _is_int(value: Any) -> bool:

@@ -3,7 +3,7 @@
 from .front import draw_front
 from .model_info import ModelInfo, PlanError, model_info
 from .plan_file import load_plan, read_plan, save_plan
-from .planner import PlanResult, apply_plan, choose_measured, measure_plan, plan_config, plan_model, unmerge_for
+from .planner import PlanResult, apply_plan, choose_measured, measure_plan, plan_config, plan_model
 from .search import Candidate, candidates, choose, pareto
 
 __all__ = [
@@ -24,5 +24,4 @@ __all__ = [
     "plan_model",
     "read_plan",
     "save_plan",
-    "unmerge_for",
 ]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..merging import MergeConfig
+from ..merging.config import UNMERGE_MODES
 from ..real_weights.measure import fidelity, latency, tokens
 from ..recovery.calibrate import calibrate as calibrate_model
 from ..surgery import patch_model
@@ -23,12 +24,6 @@ from .sensitivity import Sensitivity, measure_sensitivity
 DEFAULT_CONTRAST_TOKENS = (16, 49)
 DEFAULT_MERGE_FRACTIONS = (0.3, 0.5, 0.7, 0.85, 0.95)
 DEFAULT_MANO_WINDOWS = (7,)
-
-
-def unmerge_for(objective: str) -> str:
-    """The unmerge a plan uses: ToMe's copy for a CLS read-out (the same CLS, less time), else the residual one
-    (merged patches get back what merging took from them: better patch tokens)."""
-    return "copy" if objective == "cls" else "residual"
 
 
 @dataclass
@@ -146,6 +141,7 @@ def choose_measured(
     *,
     top: int = 4,
     calibrate: bool = True,
+    unmerge: str = "copy",
     log: Callable[[str], None] | None = None,
     measured: dict[str, dict[str, float]] | None = None,
 ) -> tuple[Candidate, dict[str, float]]:
@@ -174,7 +170,7 @@ def choose_measured(
         scores = measured.get(cand.describe())
         if scores is None:
             reference = tokens(model, held_out, 8) if reference is None else reference
-            config = plan_config(cand, info, calibrate=calibrate, unmerge=unmerge_for(objective))
+            config = plan_config(cand, info, calibrate=calibrate, unmerge=unmerge)
             scores = measured[cand.describe()] = plan_fidelity(model, config, held_out, reference, fit)
         if log is not None:
             log(f"  {cand.describe()}: predicted {cand.score(objective):.4f}, "
@@ -196,6 +192,7 @@ def plan_model(
     mano_windows: Sequence[int] = DEFAULT_MANO_WINDOWS,
     calibrate: bool = True,
     objective: str = "both",
+    unmerge: str = "copy",
     eval_images: torch.Tensor | None = None,
     measure: bool = True,
     repeats: int = 3,
@@ -207,11 +204,14 @@ def plan_model(
     the chosen plan is then applied to a copy and measured on `eval_images` (default: `images`). `contrast_tokens`
     (VCA n) and `mano_windows` (MANO k) are the per-block options besides softmax; empty: not an option. A MANO
     window whose measured block is not faster than a softmax block at the full grid is timed only (the search could
-    never pick it), so its sensitivity is not measured.
+    never pick it), so its sensitivity is not measured. `unmerge` (MergeConfig's: "copy" or "residual") is how
+    merged tokens return at the end; merging is timed and measured with it.
     """
     log = log or (lambda message: None)
     if objective not in OBJECTIVES:
         raise PlanError(f"objective must be one of {list(OBJECTIVES)}, got {objective!r}")
+    if unmerge not in UNMERGE_MODES:
+        raise PlanError(f"unmerge must be one of {list(UNMERGE_MODES)}, got {unmerge!r}")
     if not budget > 0:
         raise PlanError(f"budget must be a positive latency ratio (e.g. 0.5 = half the original's), got {budget!r}")
     if images.ndim != 4 or tuple(images.shape[-2:]) != (resolution, resolution):
@@ -226,7 +226,6 @@ def plan_model(
     if any(not 0 <= j < info.depth for j in starts):
         raise PlanError(f"merge starts must be blocks 0..{info.depth - 1}, got {starts}")
     log(f"timing blocks at {resolution} px ({info.tokens(resolution)} tokens)")
-    unmerge = unmerge_for(objective)
     table = measure_latency_table(
         model, info, resolution, contrast_tokens, mano_windows=mano_windows, repeats=repeats, unmerge=unmerge
     )
@@ -241,7 +240,9 @@ def plan_model(
     )  # fmt: skip
     cands = candidates(info, resolution, table, sens, objective)
     log("measuring the best predicted plans on the calibration images")
-    chosen, _ = choose_measured(model, info, cands, budget, objective, images, calibrate=calibrate, log=log)
+    chosen, _ = choose_measured(
+        model, info, cands, budget, objective, images, calibrate=calibrate, unmerge=unmerge, log=log
+    )
     config = plan_config(chosen, info, calibrate=calibrate, unmerge=unmerge)
     measured: dict[str, float] = {}
     if measure:

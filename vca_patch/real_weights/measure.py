@@ -36,13 +36,15 @@ def fidelity(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, floa
 
 
 @torch.no_grad()
+@torch.no_grad()
 def latency(
     models: dict[str, nn.Module],
     sizes: tuple[int, ...],
     repeats: int,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, dict[int, dict]]:
-    """Batch-1 CPU latency per model and size, all models interleaved per size; ratio to the model 'original'."""
+    """Batch-1 CPU inference latency (no autograd) per model and size, all models interleaved per size; ratio to the
+    model 'original'."""
     if "original" not in models:
         raise ValueError(f"latency ratios need a model named 'original'; got {sorted(models)}")
     out: dict[str, dict[int, dict]] = {name: {} for name in models}
