@@ -101,7 +101,7 @@ def _reference_image(
             logits = q[:, s] @ k[:, s].T / math.sqrt(d) + torch.tensor([math.log(z) for z in size], dtype=q.dtype)
             out.append(torch.softmax(logits, dim=-1) @ v[:, s])
         x = list(torch.stack(x) + p["ls1"](p["proj"](torch.cat(out, dim=-1))))
-        keys = torch.stack([k[i].reshape(heads, d).mean(0) for i in range(n)])
+        keys = torch.stack([k[i].reshape(heads, d).mean(0) for i in range(n)]).detach()  # matching only
         if r:
             a = list(range(prefix, n, 2))
             b = list(range(prefix + 1, n, 2))
@@ -314,3 +314,22 @@ def test_half_precision_models_merge_and_unmerge_in_their_dtype(dtype):
     assert half.dtype == dtype and half.shape == full.shape and torch.isfinite(half).all()
     cosine = torch.nn.functional.cosine_similarity(half.float(), full, dim=-1)
     assert cosine.min() > 0.995, cosine.min()  # measured 0.9999: rounding only
+
+
+def test_residual_unmerge_gradients_match_the_reference():
+    """Training through merging blocks: gradients of the residual unmerge (in-place writes at inference, repeated B
+    tokens counted once) are the float64 reference's."""
+    model = _timm_vit(depth=3)
+    images = torch.randn(2, 3, 56, 56, dtype=torch.float64)
+    schedule = [4, 3, 3]
+    weights = torch.randn(2, 17, 64, dtype=torch.float64)
+    x = model.norm_pre(model._pos_embed(model.patch_embed(images)))
+    parts = [_timm_parts(b) for b in model.blocks]
+    reference = model.norm(torch.stack([_reference_image(t, parts, schedule, 1, "residual") for t in x]))
+    (reference * weights).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    patch_model(model, MergeConfig(schedule=schedule, unmerge="residual"))
+    (model.forward_features(images) * weights).sum().backward()
+    for param, grad in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(param.grad, grad, rtol=1e-9, atol=1e-10)

@@ -86,7 +86,8 @@ class MergeState(threading.local):
         self.size: torch.Tensor | None = None  # (B, N', 1), float32 or wider: original tokens in each current token
         self.source: torch.Tensor | None = None  # (B, N): current token of each original token
         # "residual" unmerge, per merge: (positions (B, N_k), rows (B, 2r), taken (B, 2r, C)): where each token went,
-        # the tokens that merged (A sources, then B destinations) and what merging took from each of them
+        # the tokens that merged (A sources, then B destinations) and what merging took from each of them (zero at a
+        # B token's repeats)
         self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.kept: list[int] = []  # tokens after each block of the last forward (for reports)
         self.metric: torch.Tensor | None = None  # the last merging attention's keys, averaged over heads
@@ -141,9 +142,9 @@ class MergingForward:
             positions = merge.positions()  # (B, N_k): where each current token goes
             merged, state.size = merge.merge(x, state.size)
             if self.residual:  # only merged tokens differ from where they went: keep what merging took from those
-                rows = merge.merged_rows()
+                rows, once = merge.merged_rows()
                 taken = gather_tokens(x, rows) - gather_tokens(merged, positions.gather(1, rows))
-                state.steps.append((positions, rows, taken))
+                state.steps.append((positions, rows, taken * once.unsqueeze(-1).to(taken.dtype)))
             state.source = positions.gather(1, state.source)
             x = merged
         x = x + part(family.drop2)(part(family.ls2)(part(family.mlp)(part(family.norm2)(x))))
@@ -172,7 +173,7 @@ def residual_unmerge(x: torch.Tensor, steps: list[tuple[torch.Tensor, torch.Tens
     on 2r rows per merge instead of all N."""
     channels = x.shape[-1]
     for positions, rows, taken in reversed(steps):
-        x = gather_tokens(x, positions)  # a new tensor: written in place below (gather's backward needs only indices)
-        index = rows.unsqueeze(-1).expand(-1, -1, channels)  # a B token several A tokens merged into: the same value
-        x.scatter_(1, index, x.gather(1, index) + taken)
+        x = gather_tokens(x, positions)
+        index = rows.unsqueeze(-1).expand(-1, -1, channels)  # a B token's repeats carry zeros (`merged_rows`)
+        x = x.scatter_add(1, index, taken) if taken.requires_grad else x.scatter_add_(1, index, taken)
     return x

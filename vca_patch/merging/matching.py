@@ -50,10 +50,16 @@ class TokenMerge:
         new_size = torch.cat([size[:, : self.prefix], size_a.gather(1, kept), size_b], dim=1)
         return out / new_size.to(x.dtype), new_size
 
-    def merged_rows(self) -> torch.Tensor:
-        """(B, 2r): the input indices of the tokens that merged: the A tokens that merged away, then the B tokens
-        each went into (a B token appears once per A token it took)."""
-        return torch.cat([self.a_index[self.src], self.b_index[self.dst]], dim=1)
+    def merged_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows (B, 2r), once (B, 2r) bool): the input indices of the tokens that merged, the A tokens that merged
+        away then the B token each went into (a B token appears once per A token it took), and which rows count:
+        every A row, and each B token at its first appearance."""
+        batch, r = self.src.shape
+        order = torch.arange(r, device=self.src.device).expand(batch, -1)
+        first = torch.full((batch, self.b_index.numel()), r, dtype=order.dtype, device=order.device)
+        first = first.scatter_reduce(1, self.dst, order, reduce="amin")  # the first A each B token took
+        once = torch.cat([torch.ones_like(self.src, dtype=torch.bool), first.gather(1, self.dst) == order], dim=1)
+        return torch.cat([self.a_index[self.src], self.b_index[self.dst]], dim=1), once
 
     def positions(self) -> torch.Tensor:
         """(B, N): the index, in the merged sequence, of the token each input token went into."""
