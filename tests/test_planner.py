@@ -325,6 +325,37 @@ def test_the_choice_is_the_best_measured_finalist_never_worse_than_merging_alone
     assert sorted(calls) == sorted(measured) and sorted(kept) == sorted(measured)
 
 
+@pytest.mark.parametrize(
+    ("mixed", "merging", "wins"),
+    [
+        ([0.99, 0.99, 0.99, 0.93], [0.95, 0.95, 0.95, 0.95], "merge"),  # +0.015 mean, one image carries it: noise
+        ([0.97, 0.98, 0.97, 0.98], [0.95, 0.96, 0.95, 0.96], "vca"),  # +0.02 on every image
+    ],
+    ids=["noisy-gain", "steady-gain"],
+)
+def test_a_mixed_plan_must_beat_merging_alone_beyond_noise(monkeypatch, mixed, merging, wins):
+    from vca_patch.planner import planner as planner_module
+
+    model = _tiny()
+    cands = [
+        Candidate([0, 0, 0, 0], {0: 4}, latency=0.7, cls=0.99, patch=0.99),
+        Candidate([0, 2, 2, 2], {}, latency=0.65, cls=0.95, patch=0.95),
+    ]
+    per_image = {"VCA 0:n=4": mixed, "merge r=2 from block 1": merging}
+
+    def fake_fidelity(model, config, images, reference, calibration):
+        values = per_image[Candidate(config.schedule, config.vca_layers or {}).describe()]
+        mean = sum(values) / len(values)
+        return {"cls_cosine": mean, "patch_token_cosine": mean, "cls_per_image": values, "patch_per_image": values}
+
+    monkeypatch.setattr(planner_module, "plan_fidelity", fake_fidelity)
+    lines: list[str] = []
+    chosen, _ = choose_measured(model, model_info(model), cands, 0.8, "both", torch.randn(8, 3, RES, RES),
+                                log=lines.append)  # fmt: skip
+    assert chosen is cands[0 if wins == "vca" else 1]
+    assert any("within noise" in line for line in lines) == (wins == "merge")
+
+
 def test_finalists_are_calibrated_and_measured_on_different_images(monkeypatch):
     """A plan's VCA blocks are never scored on the images they were calibrated on (that flatters VCA plans)."""
     from vca_patch.planner import planner as planner_module

@@ -121,14 +121,34 @@ def plan_fidelity(
     calibration: torch.Tensor | None,
 ) -> dict[str, float]:
     """CLS / patch-token / mean-patch cosine of `config` applied to a copy of `model` (its VCA blocks calibrated on
-    `calibration` when given), on `images` against `reference` (their original tokens; no timing)."""
+    `calibration` when given), on `images` against `reference` (their original tokens; no timing); with the CLS and
+    patch-token cosine of each image ("cls_per_image", "patch_per_image")."""
     twin = apply_plan(copy.deepcopy(model), config, calibration if config.vca_layers else None)
-    return fidelity(reference, tokens(twin, images, 8))
+    out = tokens(twin, images, 8)
+    cls = torch.nn.functional.cosine_similarity(reference[:, 0], out[:, 0], dim=-1)
+    patch = torch.nn.functional.cosine_similarity(reference[:, 1:], out[:, 1:], dim=-1).mean(1)
+    return {**fidelity(reference, out), "cls_per_image": cls.tolist(), "patch_per_image": patch.tolist()}
 
 
-def measured_score(scores: dict[str, float], objective: str) -> float:
-    cls, patch = scores["cls_cosine"], scores["patch_token_cosine"]
+def measured_score(scores: dict[str, Any], objective: str, per_image: bool = False) -> Any:
+    """The objective from measured scores: their mean, or (`per_image`) a tensor with one value per image."""
+    if per_image:
+        cls, patch = torch.tensor(scores["cls_per_image"]), torch.tensor(scores["patch_per_image"])
+    else:
+        cls, patch = scores["cls_cosine"], scores["patch_token_cosine"]
     return {"cls": cls, "patch": patch, "both": 0.5 * (cls + patch)}[objective]
+
+
+def beats_beyond_noise(scores: dict[str, Any], baseline: dict[str, Any], objective: str) -> tuple[bool, float, float]:
+    """(better, mean gain, standard error): whether `scores` beat `baseline` on the same images by more than twice
+    the standard error of their per-image difference (a paired comparison); without per-image scores or with one
+    image, by any margin."""
+    if "cls_per_image" not in scores or "cls_per_image" not in baseline:
+        gain = measured_score(scores, objective) - measured_score(baseline, objective)
+        return gain > 0, gain, 0.0
+    gain = measured_score(scores, objective, per_image=True) - measured_score(baseline, objective, per_image=True)
+    error = float(gain.std() / len(gain) ** 0.5) if len(gain) > 1 else 0.0
+    return float(gain.mean()) > 2 * error, float(gain.mean()), error
 
 
 def choose_measured(
@@ -153,6 +173,10 @@ def choose_measured(
     calibrated on every other image of `images` and every plan is measured on the rest (`split_for_measurement`).
     `measured` (plan description -> scores on these same images) keeps the measurements across calls, e.g. one
     per budget, so no plan is applied and measured twice.
+
+    A plan with VCA or MANO blocks replaces the merging-only finalist only if it beats it beyond noise
+    (`beats_beyond_noise`): on DINOv2 at 518 px, scored on 4 crops, a mixed plan read 0.986 against merging's
+    0.974 and measured 0.985 against 0.989 on 16 held-out photos.
     """
     best_predicted = choose(cands, budget, objective)  # PlanError naming the closest plan when none fits
     fitting = sorted((c for c in cands if c.latency <= budget), key=lambda c: (-c.score(objective), c.latency))
@@ -177,6 +201,13 @@ def choose_measured(
                 f"measured {measured_score(scores, objective):.4f}")  # fmt: skip
         scored.append((measured_score(scores, objective), -cand.latency, cand, scores))
     _, _, chosen, scores = max(scored, key=lambda item: item[:2])
+    if merging is not None and not chosen.merging_only:
+        better, gain, error = beats_beyond_noise(scores, measured[merging.describe()], objective)
+        if not better:
+            if log is not None:
+                log(f"  {chosen.describe()} beats merging alone by {gain:+.4f} (standard error {error:.4f} over "
+                    f"{len(held_out)} images): within noise, so {merging.describe()}")  # fmt: skip
+            chosen, scores = merging, measured[merging.describe()]
     return chosen, scores
 
 
