@@ -62,8 +62,8 @@ class MergeConfig(TargetConfig):
         expect: {"depth", "dim", "num_heads"} of the model a plan was made for; patching another model is refused.
         unmerge: how the output's patch tokens come back: "copy" (ToMe's, the default: the merged token as is) or
             "residual" (the merged token plus what merging took from each patch, so merged patches differ again:
-            better dense outputs for a little more time; the planner picks it unless its objective is the CLS
-            token). A CLS or other prefix read-out is the same either way.
+            better dense outputs at the same r, for a little more time: `vca-patch plan --unmerge residual`). A CLS
+            or other prefix read-out is the same either way.
     """
 
     target: ClassVar[str] = "merge"

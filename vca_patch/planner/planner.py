@@ -119,7 +119,7 @@ def plan_fidelity(
     images: torch.Tensor,
     reference: torch.Tensor,
     calibration: torch.Tensor | None,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """CLS / patch-token / mean-patch cosine of `config` applied to a copy of `model` (its VCA blocks calibrated on
     `calibration` when given), on `images` against `reference` (their original tokens; no timing); with the CLS and
     patch-token cosine of each image ("cls_per_image", "patch_per_image")."""
