@@ -306,7 +306,8 @@ def test_the_choice_is_the_best_measured_finalist_never_worse_than_merging_alone
     def fake_fidelity(model, config, images, reference, calibration):
         name = Candidate(config.schedule, config.vca_layers or {}).describe()
         calls.append(name)
-        return {"cls_cosine": measured[name], "patch_token_cosine": measured[name]}
+        score = measured[name]  # one scoring image (2 images, split with calibration)
+        return {"cls_cosine": score, "patch_token_cosine": score, "cls_per_image": [score], "patch_per_image": [score]}
 
     monkeypatch.setattr(planner_module, "plan_fidelity", fake_fidelity)
     images = torch.randn(2, 3, RES, RES)
@@ -377,7 +378,9 @@ def test_finalists_are_calibrated_and_measured_on_different_images(monkeypatch):
     measured_on = []
     real_fidelity = planner_module.fidelity
     monkeypatch.setattr(
-        planner_module, "fidelity", lambda ref, got: measured_on.append(len(ref)) or real_fidelity(ref, got)
+        planner_module,
+        "fidelity",
+        lambda ref, got, **options: measured_on.append(len(ref)) or real_fidelity(ref, got, **options),
     )
     images = torch.randn(4, 3, RES, RES)
     choose_measured(model, info, cands, 0.8, "both", images)

@@ -124,10 +124,7 @@ def plan_fidelity(
     `calibration` when given), on `images` against `reference` (their original tokens; no timing); with the CLS and
     patch-token cosine of each image ("cls_per_image", "patch_per_image")."""
     twin = apply_plan(copy.deepcopy(model), config, calibration if config.vca_layers else None)
-    out = tokens(twin, images, 8)
-    cls = torch.nn.functional.cosine_similarity(reference[:, 0], out[:, 0], dim=-1)
-    patch = torch.nn.functional.cosine_similarity(reference[:, 1:], out[:, 1:], dim=-1).mean(1)
-    return {**fidelity(reference, out), "cls_per_image": cls.tolist(), "patch_per_image": patch.tolist()}
+    return fidelity(reference, tokens(twin, images, 8), per_image=True)
 
 
 def measured_score(scores: dict[str, Any], objective: str, per_image: bool = False) -> Any:
@@ -141,11 +138,7 @@ def measured_score(scores: dict[str, Any], objective: str, per_image: bool = Fal
 
 def beats_beyond_noise(scores: dict[str, Any], baseline: dict[str, Any], objective: str) -> tuple[bool, float, float]:
     """(better, mean gain, standard error): whether `scores` beat `baseline` on the same images by more than twice
-    the standard error of their per-image difference (a paired comparison); without per-image scores or with one
-    image, by any margin."""
-    if "cls_per_image" not in scores or "cls_per_image" not in baseline:
-        gain = measured_score(scores, objective) - measured_score(baseline, objective)
-        return gain > 0, gain, 0.0
+    the standard error of their per-image difference (a paired comparison); with one image, by any margin."""
     gain = measured_score(scores, objective, per_image=True) - measured_score(baseline, objective, per_image=True)
     error = float(gain.std() / len(gain) ** 0.5) if len(gain) > 1 else 0.0
     return float(gain.mean()) > 2 * error, float(gain.mean()), error

@@ -6,6 +6,7 @@ Shared by `benchmarks/real_weights.py` and `examples/dinov2_real_weights.py`, so
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,18 +22,22 @@ def tokens(model: nn.Module, images: torch.Tensor, batch: int) -> torch.Tensor:
     return torch.cat([final_tokens(model, images[i : i + batch]).double() for i in range(0, len(images), batch)])
 
 
-def fidelity(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:
-    """Cosines to the original: CLS, each patch token (dense), the mean patch token; means/minima over images."""
+def fidelity(reference: torch.Tensor, candidate: torch.Tensor, per_image: bool = False) -> dict[str, Any]:
+    """Cosines to the original: CLS, each patch token (dense), the mean patch token; means/minima over images, and
+    with `per_image` the CLS and patch-token cosine of each image ("cls_per_image", "patch_per_image")."""
     cls = F.cosine_similarity(reference[:, 0], candidate[:, 0], dim=-1)
     per_token = F.cosine_similarity(reference[:, 1:], candidate[:, 1:], dim=-1).mean(1)
     pooled = F.cosine_similarity(reference[:, 1:].mean(1), candidate[:, 1:].mean(1), dim=-1)
-    return {
+    scores: dict[str, Any] = {
         "cls_cosine": float(cls.mean()),
         "cls_cosine_min": float(cls.min()),
         "patch_token_cosine": float(per_token.mean()),
         "patch_token_cosine_min": float(per_token.min()),
         "mean_patch_cosine": float(pooled.mean()),
     }
+    if per_image:
+        scores |= {"cls_per_image": cls.tolist(), "patch_per_image": per_token.tolist()}
+    return scores
 
 
 @torch.no_grad()
