@@ -146,10 +146,11 @@ def _timm_reference(
         return model.norm(torch.stack(out))
 
 
+@pytest.mark.parametrize("batch", [1, 2])  # batch 1 takes its own row-index path (`matching._flat_rows`)
 @pytest.mark.parametrize("unmerge", ["residual", "copy"])
-def test_merging_matches_the_float64_reference_and_keeps_layerscale(unmerge):
+def test_merging_matches_the_float64_reference_and_keeps_layerscale(unmerge, batch):
     model = _timm_vit()
-    images = torch.randn(2, 3, 56, 56, dtype=torch.float64)
+    images = torch.randn(batch, 3, 56, 56, dtype=torch.float64)
     schedule = [3, 2, 4, 1]
     reference = _timm_reference(model, images, schedule, unmerge=unmerge)
     with torch.no_grad():

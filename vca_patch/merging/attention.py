@@ -13,12 +13,12 @@ from ..attention.carried import CarriedAttentionLayer
 class MergingAttention(CarriedAttentionLayer):
     """Softmax self-attention on the original q/k/v/proj; after a merge, log(token size) joins the logits.
 
-    `attend(x, size)` returns the output and the matching metric (the keys, averaged over heads); a merging block
-    calls the layer as a module (so hooks see it), with sizes and metric passed through its `MergeState`.
+    `attend(x, size)` returns the output and the keys, from which a merging block takes its matching metric; the
+    block calls the layer as a module (so hooks see it), with sizes and keys passed through its `MergeState`.
     """
 
     def attend(self, x: torch.Tensor, size: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output (B, N, C), keys averaged over heads (B, N, head_dim)); `size` (B, N, 1) or None (all ones)."""
+        """(output (B, N, C), keys (B, heads, N, head_dim)); `size` (B, N, 1) or None (all ones)."""
         batch, tokens, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
         qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
@@ -29,7 +29,7 @@ class MergingAttention(CarriedAttentionLayer):
         out = self.norm(out.transpose(1, 2).reshape(batch, tokens, self.attn_dim))
         if gate is not None:
             out = out * gate
-        return self.proj_drop(self.proj(out)), k.mean(dim=1)
+        return self.proj_drop(self.proj(out)), k
 
     def forward(
         self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, layout: Any = None, **kwargs
@@ -42,7 +42,7 @@ class MergingAttention(CarriedAttentionLayer):
         size = state.size if state is not None else None
         if size is not None and size.shape[1] != x.shape[1]:
             size = None
-        out, metric = self.attend(x, size)
+        out, keys = self.attend(x, size)
         if state is not None:
-            state.metric = metric
+            state.keys = keys
         return out

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from .matching import bipartite_soft_matching
+from .matching import add_rows_, bipartite_soft_matching, take_rows
 
 
 @dataclass(frozen=True)
@@ -86,11 +86,11 @@ class MergeState(threading.local):
         self.size: torch.Tensor | None = None  # (B, N', 1), float32 or wider: original tokens in each current token
         self.source: torch.Tensor | None = None  # (B, N): current token of each original token
         # "residual" unmerge, per merge: (positions (B, N_k), rows (B, 2r), taken (B, 2r, C)): where each token went,
-        # the tokens that merged (A sources, then B destinations) and what merging took from each of them (zero at a
-        # B token's repeats)
+        # the tokens that merged (A sources, then B destinations) and what merging took from each of them (a B token
+        # that took k A tokens appears k times with 1/k of it: `TokenMerge.merge_residual`)
         self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.kept: list[int] = []  # tokens after each block of the last forward (for reports)
-        self.metric: torch.Tensor | None = None  # the last merging attention's keys, averaged over heads
+        self.keys: torch.Tensor | None = None  # the last merging attention's keys (B, heads, N', head_dim)
 
 
 class MergingForward:
@@ -126,10 +126,10 @@ class MergingForward:
             state.reset()
             return type(block).forward(block, x, *args, **kwargs)
         attn.__dict__["merge_state"] = state  # sizes in, keys out (a plain attribute: no module, no state-dict key)
-        state.metric = None
+        state.keys = None
         h = attn(part(family.norm1)(x))
         h = h[0] if isinstance(h, tuple) else h  # transformers' attention returns (output, weights)
-        metric = state.metric
+        keys, state.keys = state.keys, None
         x = x + part(family.drop1)(part(family.ls1)(h))
         if self.r > 0:
             if state.size is None:
@@ -138,13 +138,13 @@ class MergingForward:
                 state.size = torch.ones(batch, tokens, 1, device=x.device, dtype=precision)
                 state.source = torch.arange(tokens, device=x.device).expand(batch, -1)
             prefix = attn.layout_source().num_prefix_tokens  # the token layout of this forward (surgery sets it)
-            merge = bipartite_soft_matching(metric, self.r, prefix)
+            merge = bipartite_soft_matching(keys.sum(dim=1), self.r, prefix)  # ToMe's metric: keys over heads
             positions = merge.positions()  # (B, N_k): where each current token goes
-            merged, state.size = merge.merge(x, state.size)
             if self.residual:  # only merged tokens differ from where they went: keep what merging took from those
-                rows, once = merge.merged_rows()
-                taken = gather_tokens(x, rows) - gather_tokens(merged, positions.gather(1, rows))
-                state.steps.append((positions, rows, taken * once.unsqueeze(-1).to(taken.dtype)))
+                merged, state.size, rows, taken = merge.merge_residual(x, state.size)
+                state.steps.append((positions, rows, taken))
+            else:
+                merged, state.size = merge.merge(x, state.size)
             state.source = positions.gather(1, state.source)
             x = merged
         x = x + part(family.drop2)(part(family.ls2)(part(family.mlp)(part(family.norm2)(x))))
@@ -156,14 +156,9 @@ class MergingForward:
         return x
 
 
-def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x[b, index[b, i]]: (B, N', C), (B, N) -> (B, N, C)."""
-    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-
-
 def unmerge(x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """ToMe's unmerge: each original token gets the merged token it went into, (B, N', C), (B, N) -> (B, N, C)."""
-    return gather_tokens(x, source)
+    return take_rows(x, source)
 
 
 def residual_unmerge(x: torch.Tensor, steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -171,9 +166,6 @@ def residual_unmerge(x: torch.Tensor, steps: list[tuple[torch.Tensor, torch.Tens
     tokens back to where they were (N_{k+1} -> N_k) and adding `taken` to the tokens that merged there.
     Exactly the merged token plus the sum over merges of (its stream before the merge - its group's mean), computed
     on 2r rows per merge instead of all N."""
-    channels = x.shape[-1]
     for positions, rows, taken in reversed(steps):
-        x = gather_tokens(x, positions)
-        index = rows.unsqueeze(-1).expand(-1, -1, channels)  # a B token's repeats carry zeros (`merged_rows`)
-        x = x.scatter_add(1, index, taken) if taken.requires_grad else x.scatter_add_(1, index, taken)
+        x = add_rows_(take_rows(x, positions), rows, taken)  # in place on a new tensor
     return x

@@ -25,56 +25,82 @@ class TokenMerge:
     dst: torch.Tensor  # (B, r) offsets into B they merge into
 
     @property
-    def a_index(self) -> torch.Tensor:
-        return torch.arange(self.prefix, self.num_tokens, 2, device=self.kept.device)
-
-    @property
-    def b_index(self) -> torch.Tensor:
-        return torch.arange(self.prefix + 1, self.num_tokens, 2, device=self.kept.device)
-
-    @property
     def r(self) -> int:
         return int(self.src.shape[1])
 
     def merge(self, x: torch.Tensor, size: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Size-weighted mean of each merged group: (x (B, N, C), size (B, N, 1)) -> (x', size'), N - r tokens."""
-        channels = x.shape[-1]
-        weighted = x * size.to(x.dtype)
-        a, b = weighted[:, self.a_index], weighted[:, self.b_index]
-        size_a, size_b = size[:, self.a_index], size[:, self.b_index]
-        src, dst = self.src.unsqueeze(-1), self.dst.unsqueeze(-1)
-        b = b.scatter_add(1, dst.expand(-1, -1, channels), a.gather(1, src.expand(-1, -1, channels)))
-        size_b = size_b.scatter_add(1, dst, size_a.gather(1, src))
-        kept = self.kept.unsqueeze(-1)
-        out = torch.cat([weighted[:, : self.prefix], a.gather(1, kept.expand(-1, -1, channels)), b], dim=1)
-        new_size = torch.cat([size[:, : self.prefix], size_a.gather(1, kept), size_b], dim=1)
-        return out / new_size.to(x.dtype), new_size
+        out, new_size, _, _ = self._merge(x, size, residual=False)
+        return out, new_size
 
-    def merged_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows (B, 2r), once (B, 2r) bool): the input indices of the tokens that merged, the A tokens that merged
-        away then the B token each went into (a B token appears once per A token it took), and which rows count:
-        every A row, and each B token at its first appearance."""
-        batch, r = self.src.shape
-        order = torch.arange(r, device=self.src.device).expand(batch, -1)
-        first = torch.full((batch, self.b_index.numel()), r, dtype=order.dtype, device=order.device)
-        first = first.scatter_reduce(1, self.dst, order, reduce="amin")  # the first A each B token took
-        once = torch.cat([torch.ones_like(self.src, dtype=torch.bool), first.gather(1, self.dst) == order], dim=1)
-        return torch.cat([self.a_index[self.src], self.b_index[self.dst]], dim=1), once
+    def merge_residual(
+        self, x: torch.Tensor, size: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`merge`, and what it took from the tokens that merged: (x', size', rows (B, 2r), taken (B, 2r, C)).
+
+        rows: the A tokens that merged away, then the B token each went into (in x); taken: each one's value minus
+        its group's mean. A B token that took k A tokens appears k times, each carrying 1/k of its part, so adding
+        every row back gives each token exactly what it lost."""
+        out, new_size, rows, taken = self._merge(x, size, residual=True)
+        return out, new_size, rows, taken
+
+    def _merge(self, x: torch.Tensor, size: torch.Tensor, residual: bool) -> tuple[torch.Tensor, ...]:
+        # Only the r merged rows are computed: a B token that takes A tokens i moves to
+        # x_b + sum_i size_i (x_i - x_b) / size_b', the weighted mean, without weighting and dividing all N tokens.
+        p, num_kept = self.prefix, self.kept.shape[1]
+        x_b = x[:, p + 1 :: 2]  # (B, Nb, C), a view
+        size_a, size_b = size[:, p::2], size[:, p + 1 :: 2]
+        src, dst = self.src.unsqueeze(-1), self.dst.unsqueeze(-1)
+        size_src = size_a.gather(1, src)  # (B, r, 1)
+        new_size_b = size_b.scatter_add(1, dst, size_src)  # (B, Nb, 1)
+        weight = (size_src / new_size_b.gather(1, dst)).to(x.dtype)
+        a_rows, b_rows = p + 2 * self.src, p + 1 + 2 * self.dst  # (B, r): the merging tokens' indices in x
+        x_src, x_dst = take_rows(x, a_rows), take_rows(x, b_rows)  # (B, r, C)
+        out = torch.cat([x[:, :p], take_rows(x, p + 2 * self.kept), x_b], dim=1)
+        add_rows_(out, p + num_kept + self.dst, (x_src - x_dst) * weight)  # `out` is new: in place is autograd-safe
+        new_size = torch.cat([size[:, :p], size_a.gather(1, self.kept.unsqueeze(-1)), new_size_b], dim=1)
+        if not residual:
+            return out, new_size, None, None
+        mean = take_rows(out, p + num_kept + self.dst)  # (B, r, C): each group's mean
+        repeats = torch.zeros_like(size_b).scatter_add_(1, dst, torch.ones_like(size_src)).gather(1, dst)
+        taken = torch.cat([x_src - mean, (x_dst - mean) / repeats.to(x.dtype)], dim=1)
+        return out, new_size, torch.cat([a_rows, b_rows], dim=1), taken
 
     def positions(self) -> torch.Tensor:
         """(B, N): the index, in the merged sequence, of the token each input token went into."""
-        batch = self.kept.shape[0]
-        device = self.kept.device
-        num_kept = self.kept.shape[1]
-        num_b = self.b_index.numel()
+        batch, num_kept = self.kept.shape
+        p, device = self.prefix, self.kept.device
+        num_a = (self.num_tokens - p + 1) // 2
         new = torch.empty(batch, self.num_tokens, dtype=torch.long, device=device)
-        new[:, : self.prefix] = torch.arange(self.prefix, device=device)
-        pos_a = torch.empty(batch, self.a_index.numel(), dtype=torch.long, device=device)
-        pos_a.scatter_(1, self.kept, (self.prefix + torch.arange(num_kept, device=device)).expand(batch, -1))
-        pos_a.scatter_(1, self.src, self.prefix + num_kept + self.dst)
-        new[:, self.a_index] = pos_a
-        new[:, self.b_index] = (self.prefix + num_kept + torch.arange(num_b, device=device)).expand(batch, -1)
+        new[:, :p] = torch.arange(p, device=device)
+        pos_a = torch.empty(batch, num_a, dtype=torch.long, device=device)
+        pos_a.scatter_(1, self.kept, (p + torch.arange(num_kept, device=device)).expand(batch, -1))
+        pos_a.scatter_(1, self.src, p + num_kept + self.dst)
+        new[:, p::2] = pos_a
+        new[:, p + 1 :: 2] = torch.arange(p + num_kept, self.num_tokens - self.r, device=device)
         return new
+
+
+def _flat_rows(index: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """(B, M) token indices -> (B * M,) row indices into the (B * N, C) view of a batch."""
+    if index.shape[0] == 1:
+        return index.reshape(-1)
+    offsets = torch.arange(index.shape[0], device=index.device).unsqueeze(1) * num_tokens
+    return (index + offsets).reshape(-1)
+
+
+def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[b, index[b, i]]: (B, N, C), (B, M) -> (B, M, C). Whole rows at once (index_select), several times faster on
+    CPU than a gather with the index expanded over C."""
+    batch, tokens, channels = x.shape
+    return x.reshape(batch * tokens, channels).index_select(0, _flat_rows(index, tokens)).view(batch, -1, channels)
+
+
+def add_rows_(x: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """x[b, index[b, i]] += values[b, i] in place (repeated indices accumulate): (B, N, C), (B, M), (B, M, C)."""
+    batch, tokens, channels = x.shape
+    x.view(batch * tokens, channels).index_add_(0, _flat_rows(index, tokens), values.reshape(-1, channels))
+    return x
 
 
 def bipartite_soft_matching(metric: torch.Tensor, r: int, prefix: int) -> TokenMerge:
@@ -83,16 +109,14 @@ def bipartite_soft_matching(metric: torch.Tensor, r: int, prefix: int) -> TokenM
     if not 0 <= prefix <= num_tokens:
         raise ValueError(f"prefix {prefix} does not fit {num_tokens} tokens")
     device = metric.device
-    a_index = torch.arange(prefix, num_tokens, 2, device=device)
-    b_index = torch.arange(prefix + 1, num_tokens, 2, device=device)
-    limit = a_index.numel() if b_index.numel() else 0  # every A token may merge, but only into a B token
-    r = max(0, min(int(r), limit))
+    num_a, num_b = (num_tokens - prefix + 1) // 2, (num_tokens - prefix) // 2  # A: even offsets, B: odd
+    r = max(0, min(int(r), num_a if num_b else 0))  # every A token may merge, but only into a B token
     if r == 0:
         empty = torch.empty(batch, 0, dtype=torch.long, device=device)
-        kept = torch.arange(a_index.numel(), device=device).expand(batch, -1)
+        kept = torch.arange(num_a, device=device).expand(batch, -1)
         return TokenMerge(prefix, num_tokens, kept.contiguous(), empty, empty)
     unit = F.normalize(metric.to(torch.promote_types(metric.dtype, torch.float32)), dim=-1)
-    scores = unit[:, a_index] @ unit[:, b_index].transpose(1, 2)  # (B, Na, Nb)
+    scores = unit[:, prefix::2] @ unit[:, prefix + 1 :: 2].transpose(1, 2)  # (B, Na, Nb)
     best, best_b = scores.max(dim=-1)
     order = torch.sort(best, dim=-1, descending=True, stable=True).indices
     src = order[:, :r]
