@@ -87,7 +87,7 @@ class MergeState(threading.local):
         self.source: torch.Tensor | None = None  # (B, N): current token of each original token
         # "residual" unmerge, per merge: (positions (B, N_k), rows (B, 2r), taken (B, 2r, C)): where each token went,
         # the tokens that merged (A sources, then B destinations) and what merging took from each of them (a B token
-        # that took k A tokens appears k times with 1/k of it: `TokenMerge.merge_residual`)
+        # appears once per A token it took: `TokenMerge.merge_residual`)
         self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.kept: list[int] = []  # tokens after each block of the last forward (for reports)
         self.keys: torch.Tensor | None = None  # the last merging attention's keys (B, heads, N', head_dim)

@@ -38,9 +38,9 @@ class TokenMerge:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`merge`, and what it took from the tokens that merged: (x', size', rows (B, 2r), taken (B, 2r, C)).
 
-        rows: the A tokens that merged away, then the B token each went into (in x); taken: each one's value minus
-        its group's mean. A B token that took k A tokens appears k times, each carrying 1/k of its part, so adding
-        every row back gives each token exactly what it lost."""
+        rows: the A tokens that merged away, then the B token each went into (in x); taken: what each row lost, its
+        value minus its group's mean. A B token that took k A tokens appears k times, each row carrying minus what
+        one A token added to it, so adding every row back gives each token exactly what it lost."""
         out, new_size, rows, taken = self._merge(x, size, residual=True)
         return out, new_size, rows, taken
 
@@ -57,13 +57,13 @@ class TokenMerge:
         a_rows, b_rows = p + 2 * self.src, p + 1 + 2 * self.dst  # (B, r): the merging tokens' indices in x
         x_src, x_dst = take_rows(x, a_rows), take_rows(x, b_rows)  # (B, r, C)
         out = torch.cat([x[:, :p], take_rows(x, p + 2 * self.kept), x_b], dim=1)
-        add_rows_(out, p + num_kept + self.dst, (x_src - x_dst) * weight)  # `out` is new: in place is autograd-safe
+        delta = (x_src - x_dst) * weight  # (B, r, C): what each A token adds to its B token
+        add_rows_(out, p + num_kept + self.dst, delta)  # `out` is new: in place is autograd-safe
         new_size = torch.cat([size[:, :p], size_a.gather(1, self.kept.unsqueeze(-1)), new_size_b], dim=1)
         if not residual:
             return out, new_size, None, None
-        mean = take_rows(out, p + num_kept + self.dst)  # (B, r, C): each group's mean
-        repeats = torch.zeros_like(size_b).scatter_add_(1, dst, torch.ones_like(size_src)).gather(1, dst)
-        taken = torch.cat([x_src - mean, (x_dst - mean) / repeats.to(x.dtype)], dim=1)
+        # an A token lost (itself - its group's mean); a B token lost -(the sum of the deltas it took), one per row
+        taken = torch.cat([x_src - take_rows(out, p + num_kept + self.dst), -delta], dim=1)
         return out, new_size, torch.cat([a_rows, b_rows], dim=1), taken
 
     def positions(self) -> torch.Tensor:
