@@ -7,7 +7,8 @@
 For each size: token merging alone at several r (r per block from block 0), as ToMe has it (merged tokens copied
 back to their patches, "merge r=...") and with the residual unmerge ("residual r=...": each patch also gets back
 what merging took from it), and the planner's choice at each budget (`vca_patch.planner`: measured per-layer
-sensitivity + latency, VCA in the blocks before the first merge, calibrated on the calibration crops) are measured
+sensitivity + latency, VCA in the blocks before the first merge, calibrated on the calibration crops; its merging
+returns tokens by `--unmerge`, default auto: the residual unmerge for its objective, CLS and patch tokens) are measured
 on held-out photos (never calibrated on): CLS cosine, per-patch-token cosine and mean-patch cosine to the original,
 and the batch-1 CPU latency ratio, all models timed interleaved. Writes RESULTS/planner[_quick].json, .png and
 .md (also printed).
@@ -28,7 +29,15 @@ from torch import nn
 import vca_patch
 from vca_patch.io.atomic import atomic_write_text
 from vca_patch.merging import MergeConfig
-from vca_patch.planner import candidates, choose_measured, model_info, pareto, plan_config
+from vca_patch.planner import (
+    PLAN_UNMERGE_MODES,
+    candidates,
+    choose_measured,
+    model_info,
+    pareto,
+    plan_config,
+    planned_unmerge,
+)
 from vca_patch.planner.costs import measure_latency_table
 from vca_patch.planner.model_info import PlanError
 from vca_patch.planner.planner import apply_plan
@@ -68,13 +77,16 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
     info = model_info(model)
     started = time.perf_counter()
     mano_windows, repeats = settings["mano_windows"], settings["repeats"]
-    table = measure_latency_table(model, info, size, settings["ns"], mano_windows=mano_windows, repeats=repeats)
+    unmerge = planned_unmerge("both", settings["unmerge"])
+    table = measure_latency_table(
+        model, info, size, settings["ns"], mano_windows=mano_windows, repeats=repeats, unmerge=unmerge
+    )
     windows = table.faster_mano_windows()  # as `plan_model`: a MANO block slower than softmax could never be chosen
     log(f"  MANO windows faster than a softmax block here: {windows} of {mano_windows}")
     starts = sorted(set(range(0, info.depth, max(1, info.depth // 4))))
     sens = measure_sensitivity(
         model, info, calib, size, contrast_tokens=settings["ns"], merge_starts=starts, merge_fractions=MERGE_FRACTIONS,
-        mano_windows=windows, log=log,
+        mano_windows=windows, unmerge=unmerge, log=log,
     )  # fmt: skip
     cands = candidates(info, size, table, sens, "both")
     plan_seconds = time.perf_counter() - started
@@ -85,12 +97,14 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
     chosen, measured = {}, {}
     for budget in settings["budgets"]:
         try:
-            cand, _ = choose_measured(model, info, cands, budget, "both", calib, log=log, measured=measured)
+            cand, _ = choose_measured(
+                model, info, cands, budget, "both", calib, unmerge=unmerge, log=log, measured=measured
+            )
         except PlanError as error:
             log(f"  budget {budget}: {error}")
             continue
         chosen[budget] = cand
-        configs.setdefault(f"plan {cand.describe()}", plan_config(cand, info))
+        configs.setdefault(f"plan {cand.describe()}", plan_config(cand, info, unmerge=unmerge))
     log(f"  measuring {len(configs)} conversions on {len(held)} held-out images")
     reference = tokens(model, held, 4)
     models = {"original": model}
@@ -107,6 +121,7 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
     budgets = {b: f"plan {c.describe()}" for b, c in chosen.items()}
     return {
         "tokens": info.tokens(size),
+        "planner_unmerge": unmerge,
         "rows": rows,
         "original_ms": timed["original"][size]["ms"],
         "budgets": {str(b): name for b, name in budgets.items()},
@@ -176,9 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-crops", type=int, default=None, help="held-out crops besides the 10 whole photos")
     parser.add_argument("--ns", type=int, nargs="*", default=None, help="VCA contrast-token counts (default 16 49)")
     parser.add_argument("--mano-windows", type=int, nargs="*", default=None, help="MANO windows k (default 7)")
+    parser.add_argument("--unmerge", choices=PLAN_UNMERGE_MODES, default="auto", help="the planner's unmerge")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for the JSON / PNG / MD")
     args = parser.parse_args(argv)
-    settings = dict(QUICK if args.quick else FULL)
+    settings = dict(QUICK if args.quick else FULL, unmerge=args.unmerge)
     if args.budgets:
         settings["budgets"] = args.budgets
     for key in ("calibration", "eval_crops", "ns", "mano_windows"):

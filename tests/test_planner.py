@@ -27,6 +27,7 @@ from vca_patch.planner import (
     pareto,
     plan_config,
     plan_model,
+    planned_unmerge,
     save_plan,
 )
 from vca_patch.planner.costs import LatencyTable, measure_latency_table, plan_macs, token_counts
@@ -139,7 +140,7 @@ def test_plan_model_end_to_end_and_the_plan_file(tmp_path):
     assert data["model"] == {"name": "tiny", "depth": 4, "dim": 64, "num_heads": 4, "resolution": RES}
     config = load_plan(path)
     assert config == result.config and config.expect == {"depth": 4, "dim": 64, "num_heads": 4}
-    assert config.unmerge == "copy"
+    assert config.unmerge == "residual"  # "auto" for the default objective (CLS and patch tokens)
     patch_model(model, config)
     with torch.no_grad():
         out = model.forward_features(images)
@@ -158,6 +159,12 @@ def test_a_residual_unmerge_plan_and_bad_options_failing_first(monkeypatch):
         mano_windows=(), calibrate=False, unmerge="residual", measure=False, repeats=1,
     )  # fmt: skip
     assert result.config.unmerge == "residual"
+    for objective, unmerge, expected in [
+        ("cls", "auto", "copy"),
+        ("patch", "auto", "residual"),
+        ("cls", "residual", "residual"),
+    ]:
+        assert planned_unmerge(objective, unmerge) == expected
     monkeypatch.setattr(planner_module, "measure_latency_table", None)  # nothing is timed before the checks
     with pytest.raises(PlanError, match="objective must be one of"):
         plan_model(model, images, budget=0.5, resolution=RES, objective="dense")
@@ -223,7 +230,7 @@ def test_cli_plan_then_convert_with_the_plan(tmp_path):
     assert "Predicted and measured" in result.output and out.with_suffix(".png").stat().st_size > 1000
     assert load_plan(out).expect == {"depth": 12, "dim": 192, "num_heads": 3}
     bad = runner.invoke(app, [*args, "--force", "--unmerge", "average"])
-    assert bad.exit_code == 2 and "--unmerge must be one of copy, residual" in bad.output
+    assert bad.exit_code == 2 and "--unmerge must be one of auto, copy, residual" in bad.output
     again = runner.invoke(app, args)
     assert again.exit_code == 2 and "exists; pass --force" in again.output
 

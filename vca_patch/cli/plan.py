@@ -12,8 +12,7 @@ import typer
 from rich.table import Table
 
 from ..config import ConfigError
-from ..merging.config import UNMERGE_MODES
-from ..planner import PlanError, PlanResult, draw_front, plan_model, save_plan
+from ..planner import PLAN_UNMERGE_MODES, PlanError, PlanResult, draw_front, plan_model, save_plan
 from ..planner.costs import token_counts
 from ..planner.images import image_files, load_images
 from .common import console, fail, load_base
@@ -100,10 +99,10 @@ def plan(
     unmerge: Annotated[
         str,
         typer.Option(
-            help="How merged tokens return to their patches: copy (ToMe's) or residual (plus what merging took "
-            "from each patch: better patch tokens, a little slower)"
+            help="How merged tokens return to their patches: copy (ToMe's), residual (plus what merging took "
+            "from each patch: better patch tokens, a little slower) or auto (residual unless --objective cls)"
         ),
-    ] = "copy",
+    ] = "auto",
     calibrate: Annotated[bool, typer.Option(help="Calibrate the VCA candidates (training-free)")] = True,
     pretrained: Annotated[
         bool, typer.Option(help="Start from pretrained Hub weights (--no-pretrained: random)")
@@ -124,8 +123,8 @@ def plan(
             raise PlanError(f"--budget must be a positive latency ratio (e.g. 0.5), got {budget}")
         if images < 1 or eval_images < 0:
             raise PlanError("--images must be at least 1 and --eval-images at least 0")
-        if unmerge not in UNMERGE_MODES:
-            raise PlanError(f"--unmerge must be one of {', '.join(UNMERGE_MODES)}, got {unmerge!r}")
+        if unmerge not in PLAN_UNMERGE_MODES:
+            raise PlanError(f"--unmerge must be one of {', '.join(PLAN_UNMERGE_MODES)}, got {unmerge!r}")
         for path in (output, png):
             if path.exists() and not force:
                 raise PlanError(f"{path} exists; pass --force to replace it")

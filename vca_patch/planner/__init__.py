@@ -3,10 +3,20 @@
 from .front import draw_front
 from .model_info import ModelInfo, PlanError, model_info
 from .plan_file import load_plan, read_plan, save_plan
-from .planner import PlanResult, apply_plan, choose_measured, measure_plan, plan_config, plan_model
+from .planner import (
+    PLAN_UNMERGE_MODES,
+    PlanResult,
+    apply_plan,
+    choose_measured,
+    measure_plan,
+    plan_config,
+    plan_model,
+    planned_unmerge,
+)
 from .search import Candidate, candidates, choose, pareto
 
 __all__ = [
+    "PLAN_UNMERGE_MODES",
     "Candidate",
     "ModelInfo",
     "PlanError",
@@ -22,6 +32,7 @@ __all__ = [
     "pareto",
     "plan_config",
     "plan_model",
+    "planned_unmerge",
     "read_plan",
     "save_plan",
 ]
