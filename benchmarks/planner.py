@@ -46,8 +46,9 @@ from vca_patch.real_weights.measure import fidelity, latency, tokens
 
 RESULTS = Path(__file__).parent / "results"
 FULL = {"calibration": 8, "eval_crops": 6, "budgets": [0.4, 0.5, 0.6, 0.7, 0.8], "ns": [16, 49], "repeats": 3,
-        "mano_windows": [7]}  # fmt: skip
-QUICK = {"calibration": 2, "eval_crops": 0, "budgets": [0.9, 1.5], "ns": [4], "repeats": 1, "mano_windows": [2]}
+        "mano_windows": [7], "min_time": 2.0}  # fmt: skip
+QUICK = {"calibration": 2, "eval_crops": 0, "budgets": [0.9, 1.5], "ns": [4], "repeats": 1, "mano_windows": [2],
+         "min_time": 0.0}  # fmt: skip
 MERGE_FRACTIONS = (0.3, 0.5, 0.7, 0.85, 0.95)
 ROW_KINDS = {"merge": "merging", "residual": "residual", "plan": "planner"}  # by a row name's first word
 PLOT_LABELS = {"merging": "merging alone (ToMe)", "residual": "merging, residual unmerge", "planner": "planner"}
@@ -79,8 +80,9 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
     mano_windows, repeats = settings["mano_windows"], settings["repeats"]
     unmerge = planned_unmerge("both", settings["unmerge"])
     table = measure_latency_table(
-        model, info, size, settings["ns"], mano_windows=mano_windows, repeats=repeats, unmerge=unmerge
-    )
+        model, info, size, settings["ns"], mano_windows=mano_windows, repeats=repeats, unmerge=unmerge,
+        min_time=settings["min_time"] / 4,
+    )  # fmt: skip
     windows = table.faster_mano_windows()  # as `plan_model`: a MANO block slower than softmax could never be chosen
     log(f"  MANO windows faster than a softmax block here: {windows} of {mano_windows}")
     starts = sorted(set(range(0, info.depth, max(1, info.depth // 4))))
@@ -113,7 +115,7 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
         twin = apply_plan(_copy(model), config, calib if config.vca_layers else None)
         models[name] = twin
         rows[name] = {"config": config.to_dict(), **fidelity(reference, tokens(twin, held, 4))}
-    timed = latency(models, (size,), settings["repeats"], log=log)
+    timed = latency(models, (size,), settings["repeats"], log=log, min_time=settings["min_time"])
     for name in rows:
         rows[name]["latency_ratio"] = timed[name][size]["ratio"]
         rows[name]["latency_ms"] = timed[name][size]["ms"]

@@ -88,13 +88,21 @@ class Settings:
     probe_test: int
     latency_sizes: tuple[int, ...]
     repeats: int
+    min_time: float = 0.0  # seconds each model is timed at least (more rounds for fast calls)
     batch: int = 16
     seed: int = 0
     conversions: tuple[str, ...] = field(default_factory=lambda: tuple(c.name for c in CONVERSIONS))
 
 
 FULL = Settings(
-    size=224, eval_crops=38, calibration=64, probe_train=300, probe_test=200, latency_sizes=(224, 518), repeats=3
+    size=224,
+    eval_crops=38,
+    calibration=64,
+    probe_train=300,
+    probe_test=200,
+    latency_sizes=(224, 518),
+    repeats=3,
+    min_time=2.0,
 )
 QUICK = Settings(
     size=112,
@@ -167,7 +175,7 @@ def run(settings: Settings) -> dict[str, Any]:
         row.update(probe.score(model))
         rows.append(row)
         models[conversion.name] = model
-    timings = latency(models, settings.latency_sizes, settings.repeats, log)
+    timings = latency(models, settings.latency_sizes, settings.repeats, log, min_time=settings.min_time)
     for row in rows:
         row["latency"] = {str(size): value for size, value in timings[row["name"]].items()}
     return {

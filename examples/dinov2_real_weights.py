@@ -84,6 +84,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recipe", type=Path, default=RECIPE, help="recovery recipe (default recipes/dinov2_small)")
     parser.add_argument("--device", default="auto", help="recovery device: auto, cpu, cuda, cuda:N")
     parser.add_argument("--repeats", type=int, help="latency rounds (5; quick 2)")
+    parser.add_argument("--min-time", type=float, help="seconds each model is timed at least (2; quick 0)")
     parser.add_argument("--probe-train", type=int, help="Fashion-MNIST probe training images (300; quick 40)")
     parser.add_argument("--probe-test", type=int, help="Fashion-MNIST probe test images (200; quick 40)")
     parser.add_argument("--output", type=Path, help="keep metrics, checkpoint and the table here")
@@ -94,6 +95,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     quick = args.quick
     defaults = {"minutes": 0.3 if quick else 10.0, "size": 112 if quick else 224, "calibration": 8 if quick else 64,
                 "train_crops": 32 if quick else 512, "eval_crops": 0 if quick else 38, "repeats": 2 if quick else 5,
+                "min_time": 0.0 if quick else 2.0,
                 "batch_size": 4 if quick else None, "probe_train": 40 if quick else 300,
                 "probe_test": 40 if quick else 200}  # fmt: skip
     for key, value in defaults.items():
@@ -175,6 +177,7 @@ def planned(original: nn.Module, images: torch.Tensor, args: argparse.Namespace)
     try:
         plan = plan_model(
             original, images, budget=args.plan_budget, resolution=args.size, measure=False, repeats=args.repeats,
+            min_time=min(args.min_time, 0.5),
             log=lambda message: log(f"  {message.strip()}"),
         )  # fmt: skip
     except PlanError as exc:
@@ -227,7 +230,7 @@ def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
         row.update(probe.original_scores() if row["name"] == "original" else probe.score(models[row["name"]]))
         row["probe_original_share"] = row["probe_original"] / probe.accuracy  # >= 0.99: a drop-in replacement
     sizes = (args.size,) if chosen else (112, 224) if args.quick else LATENCY_SIZES  # a merge plan is for its size
-    timings = latency(models, sizes, args.repeats, log)
+    timings = latency(models, sizes, args.repeats, log, min_time=args.min_time)
     for row in rows:
         row["latency_ratio"] = timings[row["name"]][sizes[0]]["ratio"]
         row["latency"] = {str(size): value for size, value in timings[row["name"]].items()}

@@ -61,7 +61,9 @@ def test_quick_run_prints_the_four_rows_and_writes_them(example, tmp_path, capsy
     assert json.loads((tmp_path / "results.json").read_text())["results"] == result["results"]
 
 
-def _proportional_latency(model, info, resolution, contrast_tokens, *, mano_windows=(), repeats=3, unmerge="copy"):
+def _proportional_latency(
+    model, info, resolution, contrast_tokens, *, mano_windows=(), repeats=3, unmerge="copy", min_time=0.0
+):
     """A block's time proportional to its tokens, VCA and MANO blocks slower than softmax: the plan then depends on
     the measured fidelity alone, not on this machine's speed."""
     block = 0.01

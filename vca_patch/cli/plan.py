@@ -68,8 +68,8 @@ def over_budget_line(result: PlanResult) -> str | None:
         return None
     return (
         f"Measured {result.measured['latency_ratio']:.3f}x is over the {result.budget:g}x budget (predicted "
-        f"{result.chosen.latency:.3f}x). Batch-1 latency varies between runs: time the plan again with more "
-        "--repeats on an idle machine, or plan for a lower --budget."
+        f"{result.chosen.latency:.3f}x). Batch-1 latency varies between runs: time the plan again with a longer "
+        "--min-time on an idle machine, or plan for a lower --budget."
     )
 
 
@@ -109,6 +109,9 @@ def plan(
     ] = True,
     weights: Annotated[Path | None, typer.Option(help="Local weights (.safetensors/.pth) for MODEL")] = None,
     repeats: Annotated[int, typer.Option(help="Timing rounds per measurement")] = 3,
+    min_time: Annotated[
+        float, typer.Option(help="Seconds each timing runs at least (more rounds for fast calls: steadier medians)")
+    ] = 0.5,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's)")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing plan file / PNG")] = False,
 ) -> None:
@@ -147,8 +150,7 @@ def plan(
             result = plan_model(
                 net, calib, budget=budget, resolution=resolution, contrast_tokens=ns, mano_windows=ks,
                 merge_fractions=fractions, calibrate=calibrate, objective=objective, unmerge=unmerge, eval_images=held,
-                repeats=repeats,
-                log=console.print,
+                repeats=repeats, min_time=min_time, log=console.print,
             )  # fmt: skip
     except (PlanError, ConfigError) as exc:
         fail(str(exc), 2)

@@ -133,9 +133,11 @@ def measure_latency_table(
     mano_windows: Sequence[int] = (),
     repeats: int = 3,
     unmerge: str = "copy",
+    min_time: float = 0.0,
 ) -> LatencyTable:
     """Time the original model, its first block at a few token counts (softmax, and merging one token with
-    `unmerge`: the matching's overhead) and that block as VCA(n) and as MANO(k) at the full grid."""
+    `unmerge`: the matching's overhead) and that block as VCA(n) and as MANO(k) at the full grid; each `repeats`
+    times at least, and until it has `min_time` seconds timed."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     full = info.tokens(resolution)
@@ -171,7 +173,7 @@ def measure_latency_table(
                     return b(x)
 
             fns[key] = run
-    times = time_interleaved(fns, device, warmup=1, repeats=repeats)
+    times = time_interleaved(fns, device, warmup=1, repeats=repeats, min_time=min_time)
     seconds = {name: median(samples) for name, samples in times.items()}
     softmax = [seconds[f"softmax:{t}"] for t in counts]
     other = max(0.0, seconds["original"] - info.depth * softmax[-1])

@@ -113,12 +113,13 @@ def measure_plan(
     reference: torch.Tensor | None = None,
     repeats: int = 3,
     batch: int = 8,
+    min_time: float = 0.0,
 ) -> dict[str, float]:
     """CLS / patch-token / mean-patch cosine on `images` and measured latency ratio of the plan (on a copy)."""
     twin = apply_plan(copy.deepcopy(model), config, calibration)
     reference = tokens(model, images, batch) if reference is None else reference
     scores = fidelity(reference, tokens(twin, images, batch))
-    timed = latency({"original": model, "plan": twin}, (resolution,), repeats)
+    timed = latency({"original": model, "plan": twin}, (resolution,), repeats, min_time=min_time)
     return {
         **scores,
         "latency_ratio": timed["plan"][resolution]["ratio"],
@@ -233,6 +234,7 @@ def plan_model(
     eval_images: torch.Tensor | None = None,
     measure: bool = True,
     repeats: int = 3,
+    min_time: float = 0.5,
     log: Callable[[str], None] | None = None,
 ) -> PlanResult:
     """Plan `model` (unpatched, eval mode) at `resolution` to run within `budget` × the original's latency.
@@ -242,7 +244,8 @@ def plan_model(
     (VCA n) and `mano_windows` (MANO k) are the per-block options besides softmax; empty: not an option. A MANO
     window whose measured block is not faster than a softmax block at the full grid is timed only (the search could
     never pick it), so its sensitivity is not measured. `unmerge` (MergeConfig's "copy" or "residual", or "auto":
-    `planned_unmerge`) is how merged tokens return at the end; merging is timed and measured with it.
+    `planned_unmerge`) is how merged tokens return at the end; merging is timed and measured with it. Every timing
+    runs `repeats` rounds at least and until it has `min_time` seconds (batch-1 times of a few ms are noisy).
     """
     log = log or (lambda message: None)
     if objective not in OBJECTIVES:
@@ -263,8 +266,9 @@ def plan_model(
         raise PlanError(f"merge starts must be blocks 0..{info.depth - 1}, got {starts}")
     log(f"timing blocks at {resolution} px ({info.tokens(resolution)} tokens); merged tokens return by {unmerge}")
     table = measure_latency_table(
-        model, info, resolution, contrast_tokens, mano_windows=mano_windows, repeats=repeats, unmerge=unmerge
-    )
+        model, info, resolution, contrast_tokens, mano_windows=mano_windows, repeats=repeats, unmerge=unmerge,
+        min_time=min_time,
+    )  # fmt: skip
     windows = table.faster_mano_windows()
     for k in sorted(set(mano_windows) - set(windows)):
         log(f"  MANO k={k}: a block takes {1e3 * table.mano_s[k]:.1f} ms, softmax {1e3 * table.softmax_s[-1]:.1f} ms "
@@ -285,7 +289,7 @@ def plan_model(
         log("measuring the chosen plan")
         measured = measure_plan(
             model, config, eval_images if eval_images is not None else images, resolution,
-            calibration=images if calibrate else None, repeats=repeats,
+            calibration=images if calibrate else None, repeats=repeats, min_time=min_time,
         )  # fmt: skip
     return PlanResult(
         config=config, chosen=chosen, candidates=cands, front=pareto(cands, objective),
