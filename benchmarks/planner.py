@@ -100,8 +100,9 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
     for budget in settings["budgets"]:
         try:
             cand, _ = choose_measured(
-                model, info, cands, budget, "both", calib, unmerge=unmerge, log=log, measured=measured
-            )
+                model, info, cands, budget, "both", calib, unmerge=unmerge, log=log, measured=measured,
+                repeats=repeats, min_time=settings["min_time"] / 4,
+            )  # fmt: skip
         except PlanError as error:
             log(f"  budget {budget}: {error}")
             continue

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from vca_patch.planner import model_info
 from vca_patch.planner import planner as planner_module
 from vca_patch.planner.costs import LatencyTable
 from vca_patch.real_weights import RegistryUnavailableError, cached_weights
+from vca_patch.surgery import get_patch_state
 
 pytest.importorskip("skimage")
 pytest.importorskip("sklearn")
@@ -74,9 +76,18 @@ def _proportional_latency(
     )  # fmt: skip
 
 
+def _proportional_timing(model, twins, resolution, **timing):
+    """The finalists "measured" at the proportional model's prediction (see `_proportional_latency`)."""
+    info = model_info(model)
+    table = _proportional_latency(model, info, resolution, ())
+    configs = {name: get_patch_state(twin).config for name, twin in twins.items()}
+    return {n: table.ratio(info, resolution, c.schedule, c.vca_layers or {}, c.mano_layers) for n, c in configs.items()}
+
+
 @pytest.mark.slow  # ~30 s: the planner at 224 px on 8 crops, then the measures
 def test_planned_run_converts_with_the_plan_it_prints(example, monkeypatch, capsys):
     monkeypatch.setattr(planner_module, "measure_latency_table", _proportional_latency)
+    monkeypatch.setattr(planner_module, "time_plans", _proportional_timing)
     result = example.main(["--quick", "--size", "224", "--plan-budget", "0.85", "--calibration", "8"])
     plan = result["plan"]
     assert plan["budget"] == 0.85 and plan["predicted_latency_ratio"] <= 0.85

@@ -294,6 +294,63 @@ def test_benchmark_quick_mode(tmp_path):
     assert "| conversion |" in (tmp_path / "planner_quick.md").read_text()
 
 
+def _planned_name(twin) -> str:
+    return Candidate(twin.config.schedule, twin.config.vca_layers or {}).describe()
+
+
+def _stand_in_twins(monkeypatch, ratios: dict[str, float]) -> None:
+    """Planned copies that only carry their config, timed at `ratios` (plan description -> latency ratio)."""
+    from types import SimpleNamespace
+
+    from vca_patch.planner import planner as planner_module
+
+    monkeypatch.setattr(
+        planner_module, "apply_plan", lambda model, config, calibration=None: SimpleNamespace(config=config)
+    )
+    monkeypatch.setattr(
+        planner_module, "time_plans", lambda model, twins, resolution, **timing: {n: ratios[n] for n in twins}
+    )
+
+
+def test_finalists_are_chosen_on_measured_latency_not_the_prediction(monkeypatch):
+    """Predicted latency only shortlists (within the budget plus a slack): a plan predicted a little over the
+    budget but measured within it can win, one predicted within but measured over cannot."""
+    from vca_patch.planner import planner as planner_module
+
+    model = _tiny()
+    info = model_info(model)
+    cands = [
+        Candidate([0, 3, 3, 3], {}, latency=0.82, cls=0.99, patch=0.99),  # predicted over 0.8, measures 0.78
+        Candidate([0, 4, 4, 4], {}, latency=0.79, cls=0.98, patch=0.98),  # predicted within, measures 0.83
+        Candidate([0, 5, 5, 5], {}, latency=0.75, cls=0.95, patch=0.95),  # measures 0.74
+        Candidate([0, 1, 1, 1], {}, latency=0.9, cls=1.0, patch=1.0),  # beyond the slack: never measured
+    ]
+    ratios = dict(zip([c.describe() for c in cands], [0.78, 0.83, 0.74, 0.85], strict=True))
+    measured_names = []
+
+    def fake_fidelity(twin, images, reference):
+        name = _planned_name(twin)
+        measured_names.append(name)
+        score = {c.describe(): c.cls for c in cands}[name]
+        return {"cls_cosine": score, "patch_token_cosine": score, "cls_per_image": [score], "patch_per_image": [score]}
+
+    _stand_in_twins(monkeypatch, ratios)
+    monkeypatch.setattr(planner_module, "plan_fidelity", fake_fidelity)
+    images = torch.randn(2, 3, RES, RES)
+    chosen, scores = choose_measured(model, info, cands, 0.8, "both", images)
+    assert chosen is cands[0] and scores["latency_ratio"] == 0.78
+    assert cands[3].describe() not in measured_names
+    chosen, _ = choose_measured(model, info, cands, 0.8, "both", images, slack=0.0)
+    assert chosen is cands[2]  # without the slack the 0.82 plan is out; the 0.79 one measures over the budget
+    ratios.update({c.describe(): 0.9 for c in cands})  # nothing measures within: the best predicted within is kept
+    chosen, _ = choose_measured(model, info, cands, 0.8, "both", images)
+    assert chosen is cands[1]
+    with pytest.raises(PlanError, match=r"fastest finalist measured 0\.90x"):  # and none predicted within either
+        choose_measured(model, info, cands[:1], 0.8, "both", images)
+    with pytest.raises(PlanError, match="slack"):
+        choose_measured(model, info, cands, 0.8, "both", images, slack=-0.1)
+
+
 def test_the_choice_is_the_best_measured_finalist_never_worse_than_merging_alone(monkeypatch):
     """The additive prediction only ranks: the best predicted plans and the best merging-only one are measured,
     and the best measured within the budget wins (here the predicted favourite measures worst)."""
@@ -311,12 +368,13 @@ def test_the_choice_is_the_best_measured_finalist_never_worse_than_merging_alone
     measured = {"VCA 0:n=4, 1:n=4": 0.90, "VCA 0:n=4": 0.93, "merge r=2 from block 1": 0.97}
     calls = []
 
-    def fake_fidelity(model, config, images, reference, calibration):
-        name = Candidate(config.schedule, config.vca_layers or {}).describe()
+    def fake_fidelity(twin, images, reference):
+        name = _planned_name(twin)
         calls.append(name)
         score = measured[name]  # one scoring image (2 images, split with calibration)
         return {"cls_cosine": score, "patch_token_cosine": score, "cls_per_image": [score], "patch_per_image": [score]}
 
+    _stand_in_twins(monkeypatch, {c.describe(): c.latency for c in cands})
     monkeypatch.setattr(planner_module, "plan_fidelity", fake_fidelity)
     images = torch.randn(2, 3, RES, RES)
     chosen, scores = choose_measured(model, info, cands, 0.8, "both", images, top=2)
@@ -352,11 +410,12 @@ def test_a_mixed_plan_must_beat_merging_alone_beyond_noise(monkeypatch, mixed, m
     ]
     per_image = {"VCA 0:n=4": mixed, "merge r=2 from block 1": merging}
 
-    def fake_fidelity(model, config, images, reference, calibration):
-        values = per_image[Candidate(config.schedule, config.vca_layers or {}).describe()]
+    def fake_fidelity(twin, images, reference):
+        values = per_image[_planned_name(twin)]
         mean = sum(values) / len(values)
         return {"cls_cosine": mean, "patch_token_cosine": mean, "cls_per_image": values, "patch_per_image": values}
 
+    _stand_in_twins(monkeypatch, {c.describe(): c.latency for c in cands})
     monkeypatch.setattr(planner_module, "plan_fidelity", fake_fidelity)
     lines: list[str] = []
     chosen, _ = choose_measured(model, model_info(model), cands, 0.8, "both", torch.randn(8, 3, RES, RES),
