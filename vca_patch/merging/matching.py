@@ -1,9 +1,12 @@
 """Bipartite soft matching (ToMe, Bolya et al., ICLR 2023), written from the paper: which tokens merge into which.
 
 The patch tokens are split alternately into sets A (even offsets) and B (odd offsets); each A token's most similar
-B token (cosine of the metric, the attention keys averaged over heads) is its candidate edge; the r A tokens with the
-most similar partners merge into them. Prefix tokens (CLS, registers) take no part: they stay in front, unchanged.
-The merged sequence is [prefix, the A tokens kept (in order), B (with what merged into it)].
+B token (cosine of the metric, the attention keys summed over heads: the cosine of their mean) is its candidate edge;
+the r A tokens with the most similar partners merge into them. Prefix tokens (CLS, registers) take no part: they stay
+in front, unchanged. The merged sequence is [prefix, the A tokens kept (in order), B (with what merged into it)].
+
+Tokens move as whole rows (`take_rows`, `add_rows_`: index_select / index_add_ on the (B * N, C) view), several
+times faster on CPU than a gather or scatter with the index expanded over the channels.
 """
 
 from __future__ import annotations
