@@ -8,7 +8,7 @@ For each size: token merging alone at several r (r per block from block 0), as T
 back to their patches, "merge r=...") and with the residual unmerge ("residual r=...": each patch also gets back
 what merging took from it), and the planner's choice at each budget (`vca_patch.planner`: measured per-layer
 sensitivity + latency, VCA in the blocks before the first merge, calibrated on the calibration crops; its merging
-returns tokens by `--unmerge`, default auto: the residual unmerge for its objective, CLS and patch tokens) are measured
+returns tokens by `--unmerge`, default auto: the residual unmerge unless `--objective cls`) are measured
 on held-out photos (never calibrated on): CLS cosine, per-patch-token cosine and mean-patch cosine to the original,
 and the batch-1 CPU latency ratio, all models timed interleaved. Writes RESULTS/planner[_quick].json, .png and
 .md (also printed).
@@ -41,6 +41,7 @@ from vca_patch.planner import (
 from vca_patch.planner.costs import measure_latency_table
 from vca_patch.planner.model_info import PlanError
 from vca_patch.planner.planner import apply_plan
+from vca_patch.planner.search import OBJECTIVES
 from vca_patch.planner.sensitivity import measure_sensitivity, merge_rates
 from vca_patch.real_weights.measure import fidelity, latency, tokens
 
@@ -78,7 +79,8 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
     info = model_info(model)
     started = time.perf_counter()
     mano_windows, repeats = settings["mano_windows"], settings["repeats"]
-    unmerge = planned_unmerge("both", settings["unmerge"])
+    objective = settings["objective"]
+    unmerge = planned_unmerge(objective, settings["unmerge"])
     table = measure_latency_table(
         model, info, size, settings["ns"], mano_windows=mano_windows, repeats=repeats, unmerge=unmerge,
         min_time=settings["min_time"] / 4,
@@ -90,7 +92,7 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
         model, info, calib, size, contrast_tokens=settings["ns"], merge_starts=starts, merge_fractions=MERGE_FRACTIONS,
         mano_windows=windows, unmerge=unmerge, log=log,
     )  # fmt: skip
-    cands = candidates(info, size, table, sens, "both")
+    cands = candidates(info, size, table, sens, objective)
     plan_seconds = time.perf_counter() - started
     configs: dict[str, MergeConfig] = {}
     for r in merge_rates(info, size, 0, MERGE_FRACTIONS):
@@ -100,7 +102,7 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
     for budget in settings["budgets"]:
         try:
             cand, _ = choose_measured(
-                model, info, cands, budget, "both", calib, unmerge=unmerge, log=log, measured=measured,
+                model, info, cands, budget, objective, calib, unmerge=unmerge, log=log, measured=measured,
                 repeats=repeats, min_time=settings["min_time"] / 4,
             )  # fmt: skip
         except PlanError as error:
@@ -129,7 +131,8 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
         "original_ms": timed["original"][size]["ms"],
         "budgets": {str(b): name for b, name in budgets.items()},
         "planner_seconds": plan_seconds,
-        "predicted_front": [c.to_dict() for c in pareto(cands, "both")],
+        "objective": objective,
+        "predicted_front": [c.to_dict() for c in pareto(cands, objective)],
         "sensitivity": sens.to_dict(),
         "latency_table": table.to_dict(),
     }
@@ -195,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ns", type=int, nargs="*", default=None, help="VCA contrast-token counts (default 16 49)")
     parser.add_argument("--mano-windows", type=int, nargs="*", default=None, help="MANO windows k (default 7)")
     parser.add_argument("--unmerge", choices=PLAN_UNMERGE_MODES, default="auto", help="the planner's unmerge")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="both", help="what the planner keeps")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for the JSON / PNG / MD")
     args = parser.parse_args(argv)
-    settings = dict(QUICK if args.quick else FULL, unmerge=args.unmerge)
+    settings = dict(QUICK if args.quick else FULL, unmerge=args.unmerge, objective=args.objective)
     if args.budgets:
         settings["budgets"] = args.budgets
     for key in ("calibration", "eval_crops", "ns", "mano_windows"):
