@@ -88,21 +88,14 @@ class Settings:
     probe_test: int
     latency_sizes: tuple[int, ...]
     repeats: int
-    min_time: float = 0.0  # seconds each model is timed at least (more rounds for fast calls)
+    min_time: float = 2.0  # seconds each model is timed at least (more rounds for fast calls)
     batch: int = 16
     seed: int = 0
     conversions: tuple[str, ...] = field(default_factory=lambda: tuple(c.name for c in CONVERSIONS))
 
 
 FULL = Settings(
-    size=224,
-    eval_crops=38,
-    calibration=64,
-    probe_train=300,
-    probe_test=200,
-    latency_sizes=(224, 518),
-    repeats=3,
-    min_time=2.0,
+    size=224, eval_crops=38, calibration=64, probe_train=300, probe_test=200, latency_sizes=(224, 518), repeats=3
 )
 QUICK = Settings(
     size=112,
@@ -112,6 +105,7 @@ QUICK = Settings(
     probe_test=40,
     latency_sizes=(112, 224),
     repeats=2,
+    min_time=0.0,
     conversions=("vca", "vca+calibrate"),
 )
 
