@@ -77,9 +77,9 @@ class PlanResult:
             "sensitivity": self.sensitivity.to_dict(),
             "search": "every measured merge schedule (r per block from block j), each with VCA(n) / MANO(k) added "
             "greedily to the blocks before j by latency saved per predicted loss; predicted fidelity adds the "
-            "measured losses; the best predicted plans within the budget and the best merging-only one are then "
-            "measured (VCA calibrated on every other calibration image, every plan scored on the rest) and the "
-            "best measured is chosen",
+            "measured losses; the best predicted plans within the budget plus 5% and the best merging-only ones are "
+            "then measured (VCA calibrated on every other calibration image, every plan scored on the rest) and "
+            "timed against the original, and the best measured among those timed within the budget is chosen",
         }
 
 
