@@ -256,7 +256,7 @@ def test_cli_plan_measures_mano_windows_and_the_plan_table_shows_mano_blocks(tmp
     args = [
         "plan", "vit_tiny_patch16_224", "--no-pretrained", "--no-calibrate", "--calibration-data",
         str(tmp_path / "images"), "--resolution", "64", "--budget", "2.0", "--images", "2", "--contrast-tokens", "none",
-        "--merge-fractions", "0.5", "--repeats", "1", "--min-time", "0", "-o", str(out),
+        "--merge-fractions", "0.5", "--repeats", "3", "--min-time", "0.05", "-o", str(out),
     ]  # fmt: skip
     result = CliRunner().invoke(app, [*args, "--mano-windows", "2,4"])
     assert result.exit_code == 0, result.output
