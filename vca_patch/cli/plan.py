@@ -54,6 +54,12 @@ def summary_table(result: PlanResult) -> Table:
         table.add_column(column, justify="right")
     table.add_row("predicted", f"{chosen.latency:.3f}", f"{chosen.cls:.4f}", f"{chosen.patch:.4f}", "")
     table.add_row("FLOP model", f"{chosen.macs_ratio:.3f}", "", "", "")
+    finalist = result.finalist
+    if finalist:  # what chose it: timed against the original, scored on the calibration crops kept for scoring
+        table.add_row(
+            "as a finalist", f"{finalist['latency_ratio']:.3f}", f"{finalist['cls_cosine']:.4f}",
+            f"{finalist['patch_token_cosine']:.4f}", f"{finalist['mean_patch_cosine']:.4f}",
+        )  # fmt: skip
     if measured:
         table.add_row(
             "measured", f"{measured['latency_ratio']:.3f}", f"{measured['cls_cosine']:.4f}",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,6 +56,9 @@ class PlanResult:
     objective: str
     sensitivity: Sensitivity
     table: LatencyTable
+    # the chosen plan as a finalist: scored on the calibration images kept for scoring, timed against the original
+    # ({} when it was the only candidate within the budget and so neither)
+    finalist: dict[str, Any] = field(default_factory=dict)
 
     @property
     def over_budget(self) -> bool:
@@ -71,6 +74,7 @@ class PlanResult:
             "chosen": self.chosen.to_dict(),
             "measured": self.measured,
             "measured_over_budget": self.over_budget,
+            "finalist": {k: v for k, v in self.finalist.items() if not k.endswith("_per_image")},
             "front": [c.to_dict() for c in self.front],
             "merging_front": [c.to_dict() for c in self.merging_front],
             "latency_table": self.table.to_dict(),
@@ -324,7 +328,7 @@ def plan_model(
     )  # fmt: skip
     cands = candidates(info, resolution, table, sens, objective)
     log("measuring the best predicted plans on the calibration images")
-    chosen, _ = choose_measured(
+    chosen, finalist = choose_measured(
         model, info, cands, budget, objective, images, calibrate=calibrate, unmerge=unmerge, log=log,
         repeats=repeats, min_time=min_time,
     )  # fmt: skip
@@ -339,5 +343,5 @@ def plan_model(
     return PlanResult(
         config=config, chosen=chosen, candidates=cands, front=pareto(cands, objective),
         merging_front=pareto([c for c in cands if c.merging_only], objective), measured=measured, info=info,
-        resolution=resolution, budget=budget, objective=objective, sensitivity=sens, table=table,
+        resolution=resolution, budget=budget, objective=objective, sensitivity=sens, table=table, finalist=finalist,
     )  # fmt: skip
