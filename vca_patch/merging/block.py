@@ -9,7 +9,7 @@ tokens again (dense heads read every patch; a CLS read-out is unchanged, prefix 
 - "residual": that value plus what merging took from the token, the difference between its residual stream and its
   group's mean at each merge. Blocks are residual, so a token's own part of the stream passes through them; giving
   it back makes merged patches differ again. Each merge keeps only its 2r merged rows; the unmerge undoes the merges
-  last to first (one gather per merge), a little more time than the copy's single gather.
+  last to first (one row copy per merge), a little more time than the copy's single one.
 """
 
 from __future__ import annotations

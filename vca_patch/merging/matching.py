@@ -44,8 +44,7 @@ class TokenMerge:
         rows: the A tokens that merged away, then the B token each went into (in x); taken: what each row lost, its
         value minus its group's mean. A B token that took k A tokens appears k times, each row carrying minus what
         one A token added to it, so adding every row back gives each token exactly what it lost."""
-        out, new_size, rows, taken = self._merge(x, size, residual=True)
-        return out, new_size, rows, taken
+        return self._merge(x, size, residual=True)
 
     def _merge(self, x: torch.Tensor, size: torch.Tensor, residual: bool) -> tuple[torch.Tensor, ...]:
         # Only the r merged rows are computed: a B token that takes A tokens i moves to

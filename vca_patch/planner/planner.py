@@ -232,7 +232,6 @@ def choose_measured(
         resolution = int(images.shape[-1])
         for name, ratio in time_plans(model, twins, resolution, repeats=repeats, min_time=min_time).items():
             measured[name]["latency_ratio"] = ratio
-    twins.clear()
     scored = []
     for cand in finalists:
         scores = measured[cand.describe()]

@@ -41,7 +41,6 @@ def fidelity(reference: torch.Tensor, candidate: torch.Tensor, per_image: bool =
 
 
 @torch.no_grad()
-@torch.no_grad()
 def latency(
     models: dict[str, nn.Module],
     sizes: tuple[int, ...],
