@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -170,3 +171,25 @@ def test_two_cpu_processes_match_one_process_with_the_same_global_batch(tmp_path
     worst = max(float((double[k].float() - single[k].float()).abs().max()) for k in single)
     moved = max(float((single[k].float() - start[k].float()).abs().max()) for k in single)
     assert worst <= TWO_PROCESS_ATOL < moved / 100, (worst, moved)  # same updates, and real ones
+
+
+def test_head_less_distill_with_mixup_and_cutmix_trains(tmp_path):
+    """A backbone without a classifier (features distilled, labels unused) takes the recipe's mixup/cutmix too."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    teacher = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, img_size=32, patch_size=8)
+    model = copy.deepcopy(teacher)
+    vca_patch.patch_model(model, vca_patch.VCAConfig(contrast_tokens=4))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    images = torch.randn(32, 3, 32, 32)
+    train = torch.utils.data.TensorDataset(images, torch.zeros(32, dtype=torch.long))
+    spec = recipe_from_dict({
+        "name": "headless", "data": {"kind": "imagefolder", "path": "unused", "mixup": 1.0, "cutmix": 1.0},
+        "train": {"batch_size": 8, "eval_every": 100, "checkpoint_every": 100, "eval_images": 8},
+        "stages": [{"name": "distill", "kind": "distill", "steps": 3, "lr": 1e-3}],
+    })  # fmt: skip
+    result = run_recipe(model, teacher, spec, tmp_path, train_set=train)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["status"] == "completed"
+    moved = [n for n, p in result.model.named_parameters() if not torch.equal(p.detach().cpu(), before[n])]
+    assert moved and all(".attn." in n for n in moved)  # the new VCA parameters trained, nothing outside attention

@@ -103,4 +103,5 @@ def mixup_fn(spec: Any, num_classes: int) -> Any | None:
         return None
     from timm.data import Mixup
 
-    return Mixup(mixup_alpha=spec.mixup, cutmix_alpha=spec.cutmix, num_classes=num_classes, label_smoothing=0.0)
+    # A head-less model (num_classes 0) distils features and ignores the labels: timm still needs a class count.
+    return Mixup(mixup_alpha=spec.mixup, cutmix_alpha=spec.cutmix, num_classes=max(num_classes, 1), label_smoothing=0.0)

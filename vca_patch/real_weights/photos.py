@@ -1,4 +1,5 @@
-"""Real photos that ship with scikit-image and scikit-learn, as ImageNet-normalised model inputs and crops.
+"""Real photos that ship with scikit-image and scikit-learn (and folders of images), as ImageNet-normalised model
+inputs and crops.
 
 Two disjoint sets of source photos: CALIBRATION_PHOTOS (for calibrating or training a conversion) and
 EVALUATION_PHOTOS (for measuring it), so no measured image, nor any crop of it, was ever calibrated on.
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.data import Dataset
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -81,27 +84,99 @@ def to_model_input(photo: torch.Tensor, size: int) -> torch.Tensor:
     return normalize(_resize(photo[:, top : top + side, left : left + side], size))
 
 
+def _random_crop(
+    image: torch.Tensor, size: int, scale: tuple[float, float], generator: torch.Generator
+) -> torch.Tensor:
+    """One random-resized crop of `image` (area fraction in `scale`, aspect 3/4..4/3), normalised: [3, size, size]."""
+    _, h, w = image.shape
+    area = h * w * float(torch.empty(()).uniform_(*scale, generator=generator))
+    aspect = math.exp(float(torch.empty(()).uniform_(math.log(3 / 4), math.log(4 / 3), generator=generator)))
+    ch = max(1, min(h, round(math.sqrt(area / aspect))))
+    cw = max(1, min(w, round(math.sqrt(area * aspect))))
+    top = int(torch.randint(0, h - ch + 1, (), generator=generator))
+    left = int(torch.randint(0, w - cw + 1, (), generator=generator))
+    return normalize(_resize(image[:, top : top + ch, left : left + cw], size))
+
+
 def random_crops(
     photos: dict[str, torch.Tensor], count: int, size: int, *, seed: int = 0, scale: tuple[float, float] = (0.15, 1.0)
 ) -> torch.Tensor:
-    """`count` random-resized crops (area fraction in `scale`, aspect 3/4..4/3), cycling over the photos,
-    resized to size × size and normalised: [count, 3, size, size]. Deterministic for a seed."""
+    """`count` random-resized crops (area fraction in `scale`, aspect 3/4..4/3), cycling over the photos in name
+    order, resized to size × size and normalised: [count, 3, size, size]. Deterministic for a seed."""
     if not photos:
         raise ValueError("no photos to crop")
     generator = torch.Generator().manual_seed(seed)
     names = sorted(photos)
-    crops = []
-    for i in range(count):
-        image = photos[names[i % len(names)]]
-        _, h, w = image.shape
-        area = h * w * float(torch.empty(()).uniform_(*scale, generator=generator))
-        aspect = math.exp(float(torch.empty(()).uniform_(math.log(3 / 4), math.log(4 / 3), generator=generator)))
-        ch = max(1, min(h, round(math.sqrt(area / aspect))))
-        cw = max(1, min(w, round(math.sqrt(area * aspect))))
-        top = int(torch.randint(0, h - ch + 1, (), generator=generator))
-        left = int(torch.randint(0, w - cw + 1, (), generator=generator))
-        crops.append(normalize(_resize(image[:, top : top + ch, left : left + cw], size)))
-    return torch.stack(crops)
+    return torch.stack([_random_crop(photos[names[i % len(names)]], size, scale, generator) for i in range(count)])
+
+
+class PhotoCrops(Dataset):
+    """A fresh random-resized crop (randomly flipped) of a randomly drawn photo for every index: `(crop, 0)`.
+
+    Unlike `random_crops`, which cycles over the photos in name order, every crop draws its photo at random, so a
+    batch of 8 crops from 100 photos is 8 different photos, not the first 8. Item i is the same for the same seed;
+    `length` is how many crops an epoch has (training steps × batch for one pass of fresh crops).
+    """
+
+    def __init__(
+        self,
+        photos: dict[str, torch.Tensor],
+        size: int,
+        length: int,
+        *,
+        seed: int = 0,
+        scale: tuple[float, float] = (0.15, 1.0),
+        flip: bool = True,
+    ) -> None:
+        if not photos:
+            raise ValueError("no photos to crop")
+        if length < 1:
+            raise ValueError(f"length must be >= 1, got {length}")
+        self.photos = [photos[name] for name in sorted(photos)]
+        self.size, self.length, self.seed, self.scale, self.flip = size, length, seed, scale, flip
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        image = self.photos[int(torch.randint(0, len(self.photos), (), generator=generator))]
+        crop = _random_crop(image, self.size, self.scale, generator)
+        if self.flip and bool(torch.rand((), generator=generator) < 0.5):
+            crop = crop.flip(-1)
+        return crop, 0
+
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
+
+
+def load_image_folder(folder: str | Path, *, max_side: int = 1024, prefix: str = "") -> dict[str, torch.Tensor]:
+    """{prefix + relative path: float [3, H, W] in [0, 1]} for every image under `folder` (recursively), each
+    downscaled to at most `max_side` pixels on its longer side (grey and RGBA images become RGB).
+
+    Raises ValueError naming the folder when it holds no image, and the file when one cannot be read.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    root = Path(folder).expanduser()
+    if not root.is_dir():
+        raise ValueError(f"{root} is not a folder of images")
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise ValueError(f"{root} holds no images ({', '.join(IMAGE_SUFFIXES)})")
+    photos = {}
+    for path in files:
+        try:
+            with Image.open(path) as opened:
+                image = opened.convert("RGB")
+        except (OSError, UnidentifiedImageError) as exc:
+            raise ValueError(f"cannot read image {path}: {exc}") from None
+        image.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
+        tensor = torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 255.0
+        photos[prefix + path.relative_to(root).with_suffix("").as_posix()] = tensor
+    return photos
 
 
 def evaluation_images(
