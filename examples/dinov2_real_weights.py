@@ -1,6 +1,6 @@
 """Real weights, end to end: DINOv2 ViT-S/14 -> (plan) -> convert -> calibrate -> recover -> measure.
 
-    python examples/dinov2_real_weights.py                # 224 px, 10 minutes of attention transfer (CPU)
+    python examples/dinov2_real_weights.py                # 224 px, 10 minutes of feature distillation (CPU)
     python examples/dinov2_real_weights.py --minutes 4    # a shorter recovery
     python examples/dinov2_real_weights.py --quick        # ~1 minute at 112 px (tests)
     python examples/dinov2_real_weights.py --size 518 --plan-budget 0.6   # let the planner choose the conversion
@@ -13,10 +13,11 @@
 3. calibrate, training-free: `calibrate(model, batches, grow_tokens=0.4)` on at most 64 unlabelled crops of the
    calibration photos (layers whose error stays above 0.4 get more contrast tokens; a plan's VCA blocks are
    calibrated without growing);
-4. recover: `recipes/dinov2_small.yaml` (layer-wise attention transfer: each VCA layer, fed the frozen original's
-   input, learns the original attention output; end-to-end feature distillation measured worse here) run by the
-   recipe engine on unlabelled crops of the same calibration photos, its step count set
-   from --minutes by timing one training step (a plan with merging or MANO blocks is training-free: not recovered);
+4. recover: `recipes/dinov2_small.yaml` (end-to-end feature distillation from the frozen original, mixup/cutmix)
+   run by the recipe engine on fresh random crops of unlabelled training photos (--train-images: by default the
+   calibration photos plus the ~100 photos of Debian's wallpaper and OpenCV sample packages, fetched once with
+   apt-get and cached; or any folder of your own), its step count set from --minutes by timing one training step
+   (a plan with merging or MANO blocks is training-free: not recovered);
 5. measure, on held-out photos never calibrated or trained on (`benchmarks/real_weights.py`'s measures): CLS and
    per-patch-token cosine to the original, a Fashion-MNIST linear probe (own, and the original's probe on the
    converted features: a drop-in replacement keeps >= 99% of its accuracy), the batch-1 CPU latency ratio at 224 and
@@ -25,8 +26,8 @@
 The commands a GPU user would run instead (recovery on the GPU, bf16 autocast; measurement on the CPU):
 
     pip install 'vca-patch[hf,train]' scikit-image scikit-learn
-    python examples/dinov2_real_weights.py --device cuda --minutes 20 --train-crops 4096 --batch-size 64
-    accelerate launch examples/dinov2_real_weights.py --minutes 20 --train-crops 4096 --batch-size 64  # many GPUs
+    python examples/dinov2_real_weights.py --device cuda --minutes 20 --batch-size 64 --train-images ~/photos
+    accelerate launch examples/dinov2_real_weights.py --minutes 20 --batch-size 64 --train-images ~/photos  # many GPUs
 
 --output DIR keeps the engine's metrics.json and end-of-stage checkpoint and writes the table and results.json
 there (default: a temporary folder, removed at the end).
@@ -46,7 +47,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import vca_patch
 from vca_patch.config import VCAConfig
@@ -54,7 +54,15 @@ from vca_patch.io.atomic import atomic_write_text
 from vca_patch.planner import PlanError, PlanResult, plan_model
 from vca_patch.real_weights import load_dinov2_small
 from vca_patch.real_weights.measure import fidelity, latency, tokens
-from vca_patch.real_weights.photos import CALIBRATION_PHOTOS, calibration_images, evaluation_images
+from vca_patch.real_weights.photo_packages import PhotosUnavailableError, package_photos
+from vca_patch.real_weights.photos import (
+    CALIBRATION_PHOTOS,
+    PhotoCrops,
+    calibration_images,
+    evaluation_images,
+    load_image_folder,
+    load_photos,
+)
 from vca_patch.real_weights.probe import LinearProbe
 from vca_patch.recovery import calibrate
 from vca_patch.train.engine import make_accelerator, run_recipe
@@ -78,7 +86,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="~1 minute in all: 112 px, few images")
     parser.add_argument("--size", type=int, help="calibration / training / evaluation resolution (224; quick 112)")
     parser.add_argument("--calibration", type=int, help=f"calibration crops, at most {MAX_CALIBRATION} (64; quick 8)")
-    parser.add_argument("--train-crops", type=int, help="unlabelled training crops (512; quick 32)")
+    parser.add_argument("--train-images", default=None,
+                        help="recovery photos: 'packages' (the calibration photos + Debian's photo packages, "
+                             "fetched once; the default), 'calibration' (only the 11 calibration photos; quick's "
+                             "default) or a folder of your own unlabelled images")  # fmt: skip
+    parser.add_argument("--train-crops", type=int,
+                        help="distinct training crops, reused when the steps need more (default: a fresh crop for "
+                             "every sample of every step)")  # fmt: skip
     parser.add_argument("--eval-crops", type=int, help="held-out crops besides the 10 whole photos (38; quick 0)")
     parser.add_argument("--batch-size", type=int, help="training batch (the recipe's 8; quick 4)")
     parser.add_argument("--recipe", type=Path, default=RECIPE, help="recovery recipe (default recipes/dinov2_small)")
@@ -94,7 +108,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = {"minutes": 0.3 if quick else 10.0, "size": 112 if quick else 224, "calibration": 8 if quick else 64,
-                "train_crops": 32 if quick else 512, "eval_crops": 0 if quick else 38, "repeats": 2 if quick else 5,
+                "train_images": "calibration" if quick else "packages",
+                "eval_crops": 0 if quick else 38, "repeats": 2 if quick else 5,
                 "min_time": 0.0 if quick else 2.0,
                 "batch_size": 4 if quick else None, "probe_train": 40 if quick else 300,
                 "probe_test": 40 if quick else 200}  # fmt: skip
@@ -107,7 +122,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--calibration must be in [1, {MAX_CALIBRATION}], got {args.calibration}")
     if args.size < 14 or args.size % 14:
         parser.error(f"--size must be a positive multiple of the patch size 14, got {args.size}")
-    for key in ("train_crops", "repeats", "probe_train", "probe_test"):
+    for key in ("repeats", "probe_train", "probe_test"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
     if args.plan_budget is not None and not 0 < args.plan_budget < 1:
@@ -116,6 +131,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--plan-images must be in [2, --calibration {args.calibration}], got {args.plan_images}")
     if args.eval_crops < 0 or (args.batch_size is not None and args.batch_size < 1):
         parser.error("--eval-crops must be >= 0 and --batch-size >= 1")
+    if args.train_crops is not None and args.train_crops < 1:
+        parser.error(f"--train-crops must be >= 1, got {args.train_crops}")
+    if args.train_images not in ("packages", "calibration") and not Path(args.train_images).expanduser().is_dir():
+        parser.error(f"--train-images must be 'packages', 'calibration' or a folder, got {args.train_images!r}")
     return args
 
 
@@ -147,26 +166,44 @@ def seconds_per_step(student: nn.Module, teacher: nn.Module, recipe: Recipe, cro
     return min(times[1:]) * 1.1  # + the optimizer step and the loop's bookkeeping
 
 
+def training_photos(source: str) -> dict[str, torch.Tensor]:
+    """The recovery photos of --train-images: 'calibration', 'packages' (calibration + Debian photo packages) or a
+    folder; SystemExit saying what to do when they cannot be had."""
+    try:
+        if source not in ("packages", "calibration"):
+            return load_image_folder(source)
+        photos = load_photos(CALIBRATION_PHOTOS)
+        if source == "packages":
+            log("recover: the Debian photo packages (fetched once, then cached)")
+            photos.update(package_photos())
+        return photos
+    except (PhotosUnavailableError, ValueError) as exc:
+        raise SystemExit(f"--train-images {source}: {exc}") from None
+
+
 def recover(
     calibrated: nn.Module, original: nn.Module, args: argparse.Namespace, output: Path
 ) -> tuple[nn.Module, dict]:
-    """A copy of `calibrated`, trained by the recipe against `original` on unlabelled crops for about `args.minutes`."""
-    crops = calibration_images(args.train_crops, args.size, seed=args.seed + 2)  # other crops of the same photos
+    """A copy of `calibrated`, trained by the recipe against `original` on random crops of the --train-images photos
+    for about `args.minutes`."""
+    photos = training_photos(args.train_images)
     recipe = load_recipe(args.recipe)
     batch = args.batch_size or recipe.train.batch_size
-    if len(crops) < batch:
-        raise SystemExit(f"--train-crops {len(crops)} is fewer than one batch ({batch})")
+    probe = torch.stack([x for x, _ in PhotoCrops(photos, args.size, batch, seed=args.seed + 2)])
     student = copy.deepcopy(calibrated)
     accelerator = make_accelerator(recipe.train.mixed_precision, device=args.device)
     step = seconds_per_step(student.to(accelerator.device), original.to(accelerator.device),
-                            budget_recipe(recipe, 1.0, 1.0, batch), crops.to(accelerator.device))  # fmt: skip
+                            budget_recipe(recipe, 1.0, 1.0, batch), probe.to(accelerator.device))  # fmt: skip
     recipe = budget_recipe(recipe, step, args.minutes, batch)
-    log(f"recover: {recipe.stages[0].steps} steps of {batch} crops ({step:.2f} s/step measured), {len(crops)} crops")
+    steps = recipe.stages[0].steps
+    crops = args.train_crops or steps * batch * accelerator.num_processes  # one fresh crop per sample by default
+    train_set = PhotoCrops(photos, args.size, crops, seed=args.seed + 2)  # labels 0: unused without a head
+    log(f"recover: {steps} steps of {batch} crops ({step:.2f} s/step measured), {crops} crops of {len(photos)} photos")
     start = time.perf_counter()
-    train_set = TensorDataset(crops, torch.zeros(len(crops), dtype=torch.long))  # labels unused: no head
     result = run_recipe(student, original, recipe, output, train_set=train_set, accelerator=accelerator)
-    record = {"steps": recipe.stages[0].steps, "batch": batch, "seconds": time.perf_counter() - start,
-              "seconds_per_step_measured": step, "crops": len(crops), "recipe": recipe.name}  # fmt: skip
+    record = {"steps": steps, "batch": batch, "seconds": time.perf_counter() - start,
+              "seconds_per_step_measured": step, "crops": crops, "photos": len(photos),
+              "train_images": str(args.train_images), "recipe": recipe.name}  # fmt: skip
     return result.model.cpu().eval(), record
 
 
@@ -265,7 +302,8 @@ def markdown(result: dict[str, Any]) -> str:
     s, rec, plan = result["settings"], result["recovery"], result["plan"]
     calibration = "no calibration" if "skipped" in result["calibration"] else f"calibration on {s['calibration']} crops"
     recovery = (
-        f"recovery {rec['steps']} steps x {rec['batch']} of {rec['crops']} crops ({rec['seconds'] / 60:.1f} min)"
+        f"recovery {rec['steps']} steps x {rec['batch']} of {rec['crops']} crops of {rec['photos']} photos "
+        f"({rec['seconds'] / 60:.1f} min)"
         if "skipped" not in rec
         else f"no recovery ({rec['skipped']})"
     )

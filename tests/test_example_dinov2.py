@@ -110,3 +110,35 @@ def test_bad_arguments_are_refused_before_any_work(example, argv, match, capsys)
     with pytest.raises(SystemExit):
         example.main(argv)
     assert re.search(match, capsys.readouterr().err)
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("dinov2_real_weights_example_args", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_images_are_checked_before_anything_loads(tmp_path, capsys):
+    example = _load_example()
+    with pytest.raises(SystemExit):
+        example.parse(["--train-images", str(tmp_path / "missing")])
+    assert "--train-images must be 'packages', 'calibration' or a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        example.parse(["--train-crops", "0"])
+    assert example.parse(["--quick"]).train_images == "calibration"  # quick stays offline
+    assert example.parse([]).train_images == "packages" and example.parse([]).train_crops is None
+
+
+def test_train_images_from_a_folder(tmp_path):
+    from PIL import Image
+
+    example = _load_example()
+    for i in range(3):
+        Image.new("RGB", (64, 48), (40 * i, 90, 200)).save(tmp_path / f"p{i}.png")
+    photos = example.training_photos(str(tmp_path))
+    assert sorted(photos) == ["p0", "p1", "p2"] and photos["p1"].shape == (3, 48, 64)
+    assert len(example.training_photos("calibration")) == 11
+    (tmp_path / "bad.jpg").write_bytes(b"not a jpeg")
+    with pytest.raises(SystemExit, match=r"--train-images .*cannot read image .*bad\.jpg"):
+        example.training_photos(str(tmp_path))
