@@ -182,11 +182,15 @@ def training_photos(source: str) -> dict[str, torch.Tensor]:
 
 
 def recover(
-    calibrated: nn.Module, original: nn.Module, args: argparse.Namespace, output: Path
+    calibrated: nn.Module,
+    original: nn.Module,
+    args: argparse.Namespace,
+    output: Path,
+    photos: dict[str, torch.Tensor] | None = None,
 ) -> tuple[nn.Module, dict]:
     """A copy of `calibrated`, trained by the recipe against `original` on random crops of the --train-images photos
-    for about `args.minutes`."""
-    photos = training_photos(args.train_images)
+    (`photos`, loaded here when None) for about `args.minutes`."""
+    photos = photos if photos is not None else training_photos(args.train_images)
     recipe = load_recipe(args.recipe)
     batch = args.batch_size or recipe.train.batch_size
     probe = torch.stack([x for x, _ in PhotoCrops(photos, args.size, batch, seed=args.seed + 2)])
@@ -197,6 +201,8 @@ def recover(
     recipe = budget_recipe(recipe, step, args.minutes, batch)
     steps = recipe.stages[0].steps
     crops = args.train_crops or steps * batch * accelerator.num_processes  # one fresh crop per sample by default
+    if crops < batch * accelerator.num_processes:
+        raise SystemExit(f"--train-crops {crops} is fewer than one batch ({batch} x {accelerator.num_processes})")
     train_set = PhotoCrops(photos, args.size, crops, seed=args.seed + 2)  # labels 0: unused without a head
     log(f"recover: {steps} steps of {batch} crops ({step:.2f} s/step measured), {crops} crops of {len(photos)} photos")
     start = time.perf_counter()
@@ -231,6 +237,8 @@ def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
     calib = calibration_images(args.calibration, args.size, seed=args.seed + 1)
     log(f"{len(evaluation)} held-out images, {len(calib)} calibration crops of {len(CALIBRATION_PHOTOS)} photos")
     reference = tokens(original, evaluation, 16)
+    # without a plan the run recovers: fetch (or refuse) its training photos now, not after calibrating
+    photos = training_photos(args.train_images) if args.plan_budget is None else None
 
     plan = planned(original, calib[: args.plan_images], args) if args.plan_budget is not None else None
     chosen = plan.chosen if plan is not None else None
@@ -254,7 +262,7 @@ def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
 
     recovery: dict[str, Any] = {"skipped": "training-free plan (merging or MANO blocks): nothing to recover"}
     if chosen is None or (chosen.vca_layers and not chosen.mano_layers and not any(chosen.schedule)):
-        models["recovered"], recovery = recover(models["calibrated"], original, args, output)
+        models["recovered"], recovery = recover(models["calibrated"], original, args, output, photos)
         log(f"recovered in {recovery['seconds']:.0f} s")
     else:
         log(f"recover: skipped, {recovery['skipped']}")
