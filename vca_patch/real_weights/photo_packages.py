@@ -73,7 +73,7 @@ def _image_key(path: Path, folder: Path) -> str:
     parts = path.relative_to(folder).parts
     if "contents" in parts:
         return parts[parts.index("contents") - 1]
-    return path.stem.split("_")[0] if not path.stem.startswith("_") else path.stem
+    return path.stem.split("_")[0] or path.stem
 
 
 def select_images(folder: Path, names: Sequence[str] = ()) -> dict[str, Path]:
