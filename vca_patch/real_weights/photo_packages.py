@@ -22,14 +22,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .fetch import RealWeightsError
-from .photos import IMAGE_SUFFIXES, load_image_folder
+from .fetch import RealWeightsError, user_cache_dir
+from .photos import image_files, load_image_folder
 
 CACHE_ENV = "VCA_PATCH_PHOTOS_DIR"
 DEFAULT_TIMEOUT = 20.0  # seconds per network operation: an unreachable archive fails fast
 MAX_SIDE = 1024
 MIN_STD = 0.05  # flat images (a single colour, a faint gradient) teach nothing: skipped
 _DONE = ".complete"
+_DOWNLOAD_HINT = (
+    "\nCheck the network / apt sources, or pass a folder of your own unlabelled images (--train-images DIR)."
+)
 
 
 class PhotosUnavailableError(RealWeightsError):
@@ -61,10 +64,7 @@ PHOTO_PACKAGES = (
 
 def photo_cache_dir() -> Path:
     """$VCA_PATCH_PHOTOS_DIR, else $XDG_CACHE_HOME (or ~/.cache)/vca-patch/photos."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "vca-patch" / "photos"
+    return user_cache_dir(CACHE_ENV, "photos")
 
 
 def _image_key(path: Path, folder: Path) -> str:
@@ -80,9 +80,7 @@ def select_images(folder: Path, names: Sequence[str] = ()) -> dict[str, Path]:
     """{key: the largest file} of the images under `folder`: one per picture (see `_image_key`), screenshots and
     dark variants left out; only the stems in `names` when given."""
     chosen: dict[str, Path] = {}
-    for path in sorted(folder.rglob("*")):
-        if not path.is_file() or path.suffix.lower() not in IMAGE_SUFFIXES:
-            continue
+    for path in image_files(folder):
         if names:
             if path.stem not in names:
                 continue
@@ -96,16 +94,17 @@ def select_images(folder: Path, names: Sequence[str] = ()) -> dict[str, Path]:
     return chosen
 
 
-def _run(cmd: list[str], timeout: float, cwd: Path, what: str) -> None:
+def _run(cmd: list[str], timeout: float, cwd: Path, what: str, hint: str = "") -> None:
+    """Run `cmd` in `cwd`; PhotosUnavailableError saying `what` failed (its output's last lines, then `hint`)."""
     try:
         done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        raise PhotosUnavailableError(f"{what} did not finish in {timeout:.0f} s") from None
+        raise PhotosUnavailableError(f"{what} did not finish in {timeout:.0f} s{hint}") from None
     except OSError as exc:
-        raise PhotosUnavailableError(f"cannot run {cmd[0]}: {exc}") from None
+        raise PhotosUnavailableError(f"cannot run {cmd[0]}: {exc}{hint}") from None
     if done.returncode != 0:
         tail = "\n  ".join((done.stderr or done.stdout).strip().splitlines()[-4:])
-        raise PhotosUnavailableError(f"{what} failed (exit {done.returncode}):\n  {tail}")
+        raise PhotosUnavailableError(f"{what} failed (exit {done.returncode}):\n  {tail}{hint}")
 
 
 def _unpack(deb: Path, package: PhotoPackage, dest: Path, staging: Path) -> int:
@@ -162,13 +161,7 @@ def ensure_photo_packages(
                 "-o", f"Acquire::http::Timeout={timeout:.0f}", "-o", f"Acquire::https::Timeout={timeout:.0f}",
                 package.name,
             ]  # fmt: skip
-            try:
-                _run(apt, 30 * timeout, staging, f"apt-get download {package.name}")
-            except PhotosUnavailableError as exc:
-                raise PhotosUnavailableError(
-                    f"{exc}\nCheck the network / apt sources, or pass a folder of your own unlabelled images "
-                    f"(--train-images DIR)."
-                ) from None
+            _run(apt, 30 * timeout, staging, f"apt-get download {package.name}", _DOWNLOAD_HINT)
             debs = sorted(staging.glob("*.deb"))
             if len(debs) != 1:
                 raise PhotosUnavailableError(f"apt-get download {package.name} left {len(debs)} .deb files")

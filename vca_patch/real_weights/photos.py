@@ -152,6 +152,11 @@ class PhotoCrops(Dataset):
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 
 
+def image_files(folder: Path) -> list[Path]:
+    """The image files (by suffix, IMAGE_SUFFIXES) under `folder`, recursively, sorted."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+
+
 def load_image_folder(folder: str | Path, *, max_side: int = 1024, prefix: str = "") -> dict[str, torch.Tensor]:
     """{prefix + relative path: float [3, H, W] in [0, 1]} for every image under `folder` (recursively), each
     downscaled to at most `max_side` pixels on its longer side (grey and RGBA images become RGB).
@@ -163,7 +168,7 @@ def load_image_folder(folder: str | Path, *, max_side: int = 1024, prefix: str =
     root = Path(folder).expanduser()
     if not root.is_dir():
         raise ValueError(f"{root} is not a folder of images")
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    files = image_files(root)
     if not files:
         raise ValueError(f"{root} holds no images ({', '.join(IMAGE_SUFFIXES)})")
     photos = {}
