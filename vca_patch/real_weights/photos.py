@@ -8,7 +8,7 @@ EVALUATION_PHOTOS (for measuring it), so no measured image, nor any crop of it, 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -85,9 +85,10 @@ def to_model_input(photo: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _random_crop(
-    image: torch.Tensor, size: int, scale: tuple[float, float], generator: torch.Generator
+    image: torch.Tensor, size: int, scale: tuple[float, float], generator: torch.Generator, *, normalise: bool = True
 ) -> torch.Tensor:
-    """One random-resized crop of `image` (area fraction in `scale`, aspect 3/4..4/3), normalised: [3, size, size]."""
+    """One random-resized crop of `image` (area fraction in `scale`, aspect 3/4..4/3): [3, size, size], normalised
+    (or in [0, 1] without `normalise`)."""
     _, h, w = image.shape
     area = h * w * float(torch.empty(()).uniform_(*scale, generator=generator))
     aspect = math.exp(float(torch.empty(()).uniform_(math.log(3 / 4), math.log(4 / 3), generator=generator)))
@@ -95,7 +96,8 @@ def _random_crop(
     cw = max(1, min(w, round(math.sqrt(area * aspect))))
     top = int(torch.randint(0, h - ch + 1, (), generator=generator))
     left = int(torch.randint(0, w - cw + 1, (), generator=generator))
-    return normalize(_resize(image[:, top : top + ch, left : left + cw], size))
+    crop = _resize(image[:, top : top + ch, left : left + cw], size)
+    return normalize(crop) if normalise else crop
 
 
 def random_crops(
@@ -115,7 +117,8 @@ class PhotoCrops(Dataset):
 
     Unlike `random_crops`, which cycles over the photos in name order, every crop draws its photo at random, so a
     batch of 8 crops from 100 photos is 8 different photos, not the first 8. Item i is the same for the same seed;
-    `length` is how many crops an epoch has (training steps × batch for one pass of fresh crops).
+    `length` is how many crops an epoch has (training steps × batch for one pass of fresh crops). `augment` (e.g.
+    `PhotometricAugment()`) recolours, greys or blurs each crop before it is normalised.
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class PhotoCrops(Dataset):
         seed: int = 0,
         scale: tuple[float, float] = (0.15, 1.0),
         flip: bool = True,
+        augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
     ) -> None:
         if not photos:
             raise ValueError("no photos to crop")
@@ -134,6 +138,7 @@ class PhotoCrops(Dataset):
             raise ValueError(f"length must be >= 1, got {length}")
         self.photos = [photos[name] for name in sorted(photos)]
         self.size, self.length, self.seed, self.scale, self.flip = size, length, seed, scale, flip
+        self.augment = augment
 
     def __len__(self) -> int:
         return self.length
@@ -143,10 +148,12 @@ class PhotoCrops(Dataset):
             raise IndexError(index)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         image = self.photos[int(torch.randint(0, len(self.photos), (), generator=generator))]
-        crop = _random_crop(image, self.size, self.scale, generator)
+        crop = _random_crop(image, self.size, self.scale, generator, normalise=False)
         if self.flip and bool(torch.rand((), generator=generator) < 0.5):
             crop = crop.flip(-1)
-        return crop, 0
+        if self.augment is not None:
+            crop = self.augment(crop, generator)
+        return normalize(crop), 0
 
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
