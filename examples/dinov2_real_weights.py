@@ -2,6 +2,7 @@
 
     python examples/dinov2_real_weights.py                # 224 px, 10 minutes of feature distillation (CPU)
     python examples/dinov2_real_weights.py --minutes 4    # a shorter recovery
+    python examples/dinov2_real_weights.py --steps 303    # a fixed number of steps: the same training on any machine
     python examples/dinov2_real_weights.py --quick        # ~1 minute at 112 px (tests)
     python examples/dinov2_real_weights.py --size 518 --plan-budget 0.6   # let the planner choose the conversion
 
@@ -16,7 +17,8 @@
 4. recover: `recipes/dinov2_small.yaml` (end-to-end feature distillation from the frozen original, mixup/cutmix)
    run by the recipe engine on fresh random crops of unlabelled training photos (--train-images: by default the
    calibration photos plus the ~100 photos of Debian's wallpaper and OpenCV sample packages, fetched once with
-   apt-get and cached; or any folder of your own), its step count set from --minutes by timing one training step
+   apt-get and cached; or any folder of your own; --augment photometric also jitters, greys and blurs them), its
+   step count set from --minutes by timing one training step (or fixed by --steps)
    (a plan with merging or MANO blocks is training-free: not recovered);
 5. measure, on held-out photos never calibrated or trained on (`benchmarks/real_weights.py`'s measures): CLS and
    per-patch-token cosine to the original, a Fashion-MNIST linear probe (own, and the original's probe on the
@@ -53,6 +55,7 @@ from vca_patch.config import VCAConfig
 from vca_patch.io.atomic import atomic_write_text
 from vca_patch.planner import PlanError, PlanResult, plan_model
 from vca_patch.real_weights import load_dinov2_small
+from vca_patch.real_weights.augment import PhotometricAugment
 from vca_patch.real_weights.measure import fidelity, latency, tokens
 from vca_patch.real_weights.photo_packages import PhotosUnavailableError, package_photos
 from vca_patch.real_weights.photos import (
@@ -72,6 +75,7 @@ from vca_patch.train.recipe import Recipe, load_recipe
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "dinov2_small.yaml"
 MAX_CALIBRATION = 64
+FIT_CROPS = 16  # crops of the training photos (not the ones trained on) on which the fit to them is measured
 LATENCY_SIZES = (224, 518)  # the first is the one `latency_ratio` reports
 _START = time.perf_counter()
 
@@ -83,6 +87,11 @@ def log(message: str) -> None:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, help="recovery training budget (default 10; --quick: 0.3)")
+    parser.add_argument("--steps", type=int,
+                        help="recovery steps, not as many as --minutes allows (the same run on any CPU)")  # fmt: skip
+    parser.add_argument("--augment", choices=("none", "photometric"), default="none",
+                        help="training crops: crops and flips only (the default), or also colour jitter, grayscale "
+                             "and blur (PhotometricAugment)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="~1 minute in all: 112 px, few images")
     parser.add_argument("--size", type=int, help="calibration / training / evaluation resolution (224; quick 112)")
     parser.add_argument("--calibration", type=int, help=f"calibration crops, at most {MAX_CALIBRATION} (64; quick 8)")
@@ -131,6 +140,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--plan-images must be in [2, --calibration {args.calibration}], got {args.plan_images}")
     if args.eval_crops < 0 or (args.batch_size is not None and args.batch_size < 1):
         parser.error("--eval-crops must be >= 0 and --batch-size >= 1")
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.train_crops is not None and args.train_crops < 1:
         parser.error(f"--train-crops must be >= 1, got {args.train_crops}")
     if args.train_images not in ("packages", "calibration") and not Path(args.train_images).expanduser().is_dir():
@@ -138,15 +149,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def budget_recipe(recipe: Recipe, seconds_per_step: float, minutes: float, batch_size: int | None) -> Recipe:
-    """`recipe` with its one training stage's steps (and warmup) set to fill `minutes` at `seconds_per_step`."""
+def budget_recipe(
+    recipe: Recipe, seconds_per_step: float, minutes: float, batch_size: int | None, steps: int | None = None
+) -> Recipe:
+    """`recipe` with its one training stage's steps (and warmup) set to `steps`, or to fill `minutes` at
+    `seconds_per_step`."""
     stages = [s for s in recipe.stages if s.kind != "calibrate"]
     if len(stages) != 1 or stages[0].kind not in ("distill", "attention_transfer"):
         raise SystemExit(
             f"{recipe.name}: this example runs a recipe with one distill or attention_transfer stage, "
             f"got {recipe.stages}"
         )
-    steps = max(1, int(minutes * 60 / seconds_per_step))
+    steps = steps or max(1, int(minutes * 60 / seconds_per_step))
     stage = replace(stages[0], steps=steps, warmup_steps=min(stages[0].warmup_steps, steps // 4))
     train = recipe.train if batch_size is None else replace(recipe.train, batch_size=batch_size)
     return replace(recipe, stages=[stage], train=train)
@@ -189,7 +203,7 @@ def recover(
     photos: dict[str, torch.Tensor] | None = None,
 ) -> tuple[nn.Module, dict]:
     """A copy of `calibrated`, trained by the recipe against `original` on random crops of the --train-images photos
-    (`photos`, loaded here when None) for about `args.minutes`."""
+    (`photos`, loaded here when None) for `args.steps` steps or about `args.minutes`."""
     photos = photos if photos is not None else training_photos(args.train_images)
     recipe = load_recipe(args.recipe)
     batch = args.batch_size or recipe.train.batch_size
@@ -198,18 +212,19 @@ def recover(
     accelerator = make_accelerator(recipe.train.mixed_precision, device=args.device)
     step = seconds_per_step(student.to(accelerator.device), original.to(accelerator.device),
                             budget_recipe(recipe, 1.0, 1.0, batch), probe.to(accelerator.device))  # fmt: skip
-    recipe = budget_recipe(recipe, step, args.minutes, batch)
+    recipe = budget_recipe(recipe, step, args.minutes, batch, args.steps)
     steps = recipe.stages[0].steps
     crops = args.train_crops or steps * batch * accelerator.num_processes  # one fresh crop per sample by default
     if crops < batch * accelerator.num_processes:
         raise SystemExit(f"--train-crops {crops} is fewer than one batch ({batch} x {accelerator.num_processes})")
-    train_set = PhotoCrops(photos, args.size, crops, seed=args.seed + 2)  # labels 0: unused without a head
+    augment = PhotometricAugment() if args.augment == "photometric" else None
+    train_set = PhotoCrops(photos, args.size, crops, seed=args.seed + 2, augment=augment)  # labels 0: unused
     log(f"recover: {steps} steps of {batch} crops ({step:.2f} s/step measured), {crops} crops of {len(photos)} photos")
     start = time.perf_counter()
     result = run_recipe(student, original, recipe, output, train_set=train_set, accelerator=accelerator)
     record = {"steps": steps, "batch": batch, "seconds": time.perf_counter() - start,
               "seconds_per_step_measured": step, "crops": crops, "photos": len(photos),
-              "train_images": str(args.train_images), "recipe": recipe.name}  # fmt: skip
+              "train_images": str(args.train_images), "augment": args.augment, "recipe": recipe.name}  # fmt: skip
     return result.model.cpu().eval(), record
 
 
@@ -269,6 +284,15 @@ def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
     original.cpu().eval()
 
     rows = [{"name": name, **fidelity(reference, tokens(model, evaluation, 16))} for name, model in models.items()]
+    if photos is not None and "recovered" in models:
+        # Fit on the training photos (other crops of them than the training ones): near the held-out figures, the
+        # conversion's capacity is what limits it; far above them, more photos would help.
+        fit = torch.stack([x for x, _ in PhotoCrops(photos, args.size, FIT_CROPS, seed=args.seed + 3)])
+        fit_reference = tokens(original, fit, 16)
+        for row in rows:
+            scores = fidelity(fit_reference, tokens(models[row["name"]], fit, 16))
+            row["train_photos_cls_cosine"] = scores["cls_cosine"]
+            row["train_photos_patch_token_cosine"] = scores["patch_token_cosine"]
     log(f"probe: Fashion-MNIST {args.probe_train} train / {args.probe_test} test images at {args.size} px")
     probe = LinearProbe.fit(original, args.probe_train, args.probe_test, args.size)
     for row in rows:
@@ -311,7 +335,7 @@ def markdown(result: dict[str, Any]) -> str:
     calibration = "no calibration" if "skipped" in result["calibration"] else f"calibration on {s['calibration']} crops"
     recovery = (
         f"recovery {rec['steps']} steps x {rec['batch']} of {rec['crops']} crops of {rec['photos']} photos "
-        f"({rec['seconds'] / 60:.1f} min)"
+        f"(augment: {rec.get('augment', 'none')}; {rec['seconds'] / 60:.1f} min)"
         if "skipped" not in rec
         else f"no recovery ({rec['skipped']})"
     )
@@ -322,6 +346,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"{s['probe_test']} test (own: trained on each model's features; original's: the original's probe on "
         f"them); latency batch 1, {result['threads']} threads; {result['seconds']:.0f} s in all."
     )]  # fmt: skip
+    fits = [f"{r['name']} {r['train_photos_cls_cosine']:.3f} / {r['train_photos_patch_token_cosine']:.3f}"
+            for r in result["results"] if "train_photos_cls_cosine" in r and r["name"] != "original"]  # fmt: skip
+    if fits:
+        lines += ["", f"On {FIT_CROPS} other crops of the training photos (CLS / patch-token cos): {'; '.join(fits)}."]
     return "\n".join(lines) + "\n"
 
 

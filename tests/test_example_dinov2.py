@@ -61,10 +61,14 @@ def test_quick_run_prints_the_four_rows_and_writes_them(example, tmp_path, capsy
     # the recipe engine really trained: it took the budgeted steps and moved the weights off the calibrated ones
     assert result["recovery"]["steps"] >= 1 and result["recovery"]["recipe"] == "dinov2_small"
     assert rows["recovered"]["cls_cosine"] != rows["calibrated"]["cls_cosine"]
+    # the fit to other crops of the training photos is measured for every model, and printed
+    assert rows["original"]["train_photos_cls_cosine"] == pytest.approx(1.0)
+    assert 0 < rows["recovered"]["train_photos_patch_token_cosine"] < 1
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["status"] == "completed" and metrics["recipe"] == "dinov2_small"
     table = (tmp_path / "table.md").read_text()
     assert table.startswith("| model | CLS cos") and table in capsys.readouterr().out
+    assert "other crops of the training photos" in table and "recovered 0." in table
     assert json.loads((tmp_path / "results.json").read_text())["results"] == result["results"]
 
 
@@ -109,7 +113,8 @@ def test_planned_run_converts_with_the_plan_it_prints(example, monkeypatch, caps
 @pytest.mark.parametrize(
     ("argv", "match"),
     [(["--calibration", "65"], "in \\[1, 64\\]"), (["--size", "100"], "multiple"), (["--minutes", "0"], "minutes"),
-     (["--plan-budget", "1.0"], "keeps the original"), (["--plan-images", "1"], "plan-images")],
+     (["--plan-budget", "1.0"], "keeps the original"), (["--plan-images", "1"], "plan-images"),
+     (["--steps", "0"], "--steps must be >= 1"), (["--augment", "colour"], "invalid choice")],
 )  # fmt: skip
 def test_bad_arguments_are_refused_before_any_work(example, argv, match, capsys):
     with pytest.raises(SystemExit):
@@ -126,6 +131,15 @@ def test_train_images_are_checked_before_anything_loads(tmp_path, capsys):
         example.parse(["--train-crops", "0"])
     assert example.parse(["--quick"]).train_images == "calibration"  # quick stays offline
     assert example.parse([]).train_images == "packages" and example.parse([]).train_crops is None
+    assert example.parse([]).augment == "none" and example.parse(["--augment", "photometric"]).augment == "photometric"
+
+
+def test_steps_fix_the_recipe_length_whatever_the_step_time():
+    example = _load_example()
+    recipe = example.load_recipe(example.RECIPE)
+    assert example.budget_recipe(recipe, 2.0, 10.0, 8).stages[0].steps == 300  # 10 minutes at 2 s a step
+    fixed = example.budget_recipe(recipe, 2.0, 10.0, 8, steps=303)
+    assert fixed.stages[0].steps == 303 and fixed.train.batch_size == 8
 
 
 def test_train_images_from_a_folder(tmp_path):
