@@ -14,6 +14,7 @@ from ..attention.differential_lambda import DifferentialLambda
 from ..surgery import get_patch_state
 
 GROUPS = ("new", "lambda", "carried", "rest")
+LAMBDA_ROUNDOFF = 1e-5  # float32 round-off of λ after a clamp: the guard leaves λ within this of its bounds
 
 
 def parameter_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
@@ -60,7 +61,7 @@ def clamp_lambda(lam: DifferentialLambda, low: float = 0.0, high: float = 0.95, 
     already read.
     """
     value = float(lam()) if value is None else value
-    if low - 1e-5 <= value <= high + 1e-5:  # float32 round-off of a previous clamp is not a violation
+    if low - LAMBDA_ROUNDOFF <= value <= high + LAMBDA_ROUNDOFF:  # a previous clamp's round-off is no violation
         return False
     goal = min(max(value, low), high)
     q1, k1, q2, k2 = (p.double() for p in (lam.q1, lam.k1, lam.q2, lam.k2))
