@@ -336,7 +336,7 @@ def markdown(result: dict[str, Any]) -> str:
     calibration = "no calibration" if "skipped" in result["calibration"] else f"calibration on {s['calibration']} crops"
     recovery = (
         f"recovery {rec['steps']} steps x {rec['batch']} of {rec['crops']} crops of {rec['photos']} photos "
-        f"(augment: {rec.get('augment', 'none')}; {rec['seconds'] / 60:.1f} min)"
+        f"(augment: {rec['augment']}; {rec['seconds'] / 60:.1f} min)"
         if "skipped" not in rec
         else f"no recovery ({rec['skipped']})"
     )

@@ -15,6 +15,11 @@ def _image(seed: int = 0, size: int = 24) -> torch.Tensor:
     return torch.rand(3, size, size, generator=torch.Generator().manual_seed(seed)) * 0.5 + 0.25  # no clipping
 
 
+def _luma(image: torch.Tensor) -> torch.Tensor:
+    """ITU-R 601 luma of [3, H, W], in the image's dtype (float64 for the references)."""
+    return 0.2989 * image[0] + 0.587 * image[1] + 0.114 * image[2]
+
+
 def _draw(augment: PhotometricAugment, image: torch.Tensor, seed: int) -> torch.Tensor:
     return augment(image, torch.Generator().manual_seed(seed))
 
@@ -29,7 +34,7 @@ def test_same_seed_same_result_and_off_is_identity():
 def test_grayscale_is_the_luma_on_every_channel():
     image = _image(1).double()
     out = _draw(PhotometricAugment(**{**OFF, "grayscale_p": 1.0}), image.float(), 0).double()
-    luma = 0.2989 * image[0] + 0.587 * image[1] + 0.114 * image[2]  # ITU-R 601, in float64
+    luma = _luma(image)
     for channel in out:
         assert torch.allclose(channel, luma, atol=1e-6)
 
@@ -39,7 +44,7 @@ def test_each_jitter_factor_stays_in_its_range(name):
     image = _image(2).double()
     augment = PhotometricAugment(**{**OFF, "jitter_p": 1.0, "brightness": 0.0, "contrast": 0.0, "saturation": 0.0,
                                     name: 0.3})  # fmt: skip
-    luma = 0.2989 * image[0] + 0.587 * image[1] + 0.114 * image[2]
+    luma = _luma(image)
     anchor = {"brightness": torch.zeros_like(image), "contrast": luma.mean().expand_as(image), "saturation": luma}[name]
     factors = []
     for seed in range(40):
@@ -90,5 +95,4 @@ def test_photo_crops_augment_before_normalising():
         pixels = x * std + mean  # back to [0, 1]: one grey value on every channel
         assert y == 0 and torch.allclose(pixels, pixels[:1].expand(3, -1, -1), atol=1e-5)
         crop = plain[i][0] * std + mean  # the same crop (same photo, window and flip), before greying
-        luma = 0.2989 * crop[0] + 0.587 * crop[1] + 0.114 * crop[2]
-        assert torch.allclose(pixels[0], luma, atol=1e-5)
+        assert torch.allclose(pixels[0], _luma(crop), atol=1e-5)

@@ -85,10 +85,9 @@ def to_model_input(photo: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _random_crop(
-    image: torch.Tensor, size: int, scale: tuple[float, float], generator: torch.Generator, *, normalise: bool = True
+    image: torch.Tensor, size: int, scale: tuple[float, float], generator: torch.Generator
 ) -> torch.Tensor:
-    """One random-resized crop of `image` (area fraction in `scale`, aspect 3/4..4/3): [3, size, size], normalised
-    (or in [0, 1] without `normalise`)."""
+    """One random-resized crop of `image` (area fraction in `scale`, aspect 3/4..4/3), in [0, 1]: [3, size, size]."""
     _, h, w = image.shape
     area = h * w * float(torch.empty(()).uniform_(*scale, generator=generator))
     aspect = math.exp(float(torch.empty(()).uniform_(math.log(3 / 4), math.log(4 / 3), generator=generator)))
@@ -96,8 +95,7 @@ def _random_crop(
     cw = max(1, min(w, round(math.sqrt(area * aspect))))
     top = int(torch.randint(0, h - ch + 1, (), generator=generator))
     left = int(torch.randint(0, w - cw + 1, (), generator=generator))
-    crop = _resize(image[:, top : top + ch, left : left + cw], size)
-    return normalize(crop) if normalise else crop
+    return _resize(image[:, top : top + ch, left : left + cw], size)
 
 
 def random_crops(
@@ -109,7 +107,9 @@ def random_crops(
         raise ValueError("no photos to crop")
     generator = torch.Generator().manual_seed(seed)
     names = sorted(photos)
-    return torch.stack([_random_crop(photos[names[i % len(names)]], size, scale, generator) for i in range(count)])
+    return normalize(
+        torch.stack([_random_crop(photos[names[i % len(names)]], size, scale, generator) for i in range(count)])
+    )
 
 
 class PhotoCrops(Dataset):
@@ -148,7 +148,7 @@ class PhotoCrops(Dataset):
             raise IndexError(index)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         image = self.photos[int(torch.randint(0, len(self.photos), (), generator=generator))]
-        crop = _random_crop(image, self.size, self.scale, generator, normalise=False)
+        crop = _random_crop(image, self.size, self.scale, generator)
         if self.flip and bool(torch.rand((), generator=generator) < 0.5):
             crop = crop.flip(-1)
         if self.augment is not None:
