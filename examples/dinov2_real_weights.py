@@ -93,6 +93,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--augment", choices=("none", "photometric"), default="none",
                         help="training crops: crops and flips only (the default), or also colour jitter, grayscale "
                              "and blur (PhotometricAugment)")  # fmt: skip
+    parser.add_argument(
+        "--local-window",
+        type=int,
+        default=7,
+        help="VCAConfig(local_window=K): each patch also attends to its K x K neighbours (7; 0: off)",
+    )
     parser.add_argument("--quick", action="store_true", help="~1 minute in all: 112 px, few images")
     parser.add_argument("--size", type=int, help="calibration / training / evaluation resolution (224; quick 112)")
     parser.add_argument("--calibration", type=int, help=f"calibration crops, at most {MAX_CALIBRATION} (64; quick 8)")
@@ -141,6 +147,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--plan-images must be in [2, --calibration {args.calibration}], got {args.plan_images}")
     if args.eval_crops < 0 or (args.batch_size is not None and args.batch_size < 1):
         parser.error("--eval-crops must be >= 0 and --batch-size >= 1")
+    if args.local_window < 0 or (args.local_window and args.local_window % 2 == 0):
+        parser.error(f"--local-window must be 0 (off) or odd (3, 5, 7, ...), got {args.local_window}")
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.train_crops is not None and args.train_crops < 1:
@@ -259,9 +267,10 @@ def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
     plan = planned(original, calib[: args.plan_images], args) if args.plan_budget is not None else None
     chosen = plan.chosen if plan is not None else None
     converted = copy.deepcopy(original)
-    vca_patch.patch_model(converted, plan.config if plan is not None else VCAConfig())
+    config = VCAConfig(local_window=args.local_window)
+    vca_patch.patch_model(converted, plan.config if plan is not None else config)
     converted.eval()
-    log(f"converted: {chosen.describe() if chosen else 'VCAConfig() (per-token gain on by default)'}")
+    log(f"converted: {chosen.describe() if chosen else f'VCAConfig(local_window={args.local_window})'}")
 
     models: dict[str, nn.Module] = {"original": original, "converted": converted}
     calibration: dict[str, Any] = {"skipped": "the plan has no VCA blocks"}

@@ -8,6 +8,9 @@ Linear-cost attention through n pooled "contrast tokens" and a positive/negative
     o      = (1−λ_init)·RMSNorm₂((A₊ − λ₂·A₋)·v̂)               Stage II              [B, M, N, d]
     y      = proj(merge_heads(o) + DWC₃ₓ₃(v[patches]))
 
+With `local_window=k` the patch rows also read their k×k neighbourhood (`neighbourhood_attention`), mixed per
+channel: o[patches] = α⊙o[patches] + β⊙NA_k(q, k, v), with α = 1, β = 0 at init (the layer above).
+
 Prefix tokens (CLS, distillation, registers) are keys in Stage I and queries in Stage II but are
 never pooled and get no DWC term. Stage II uses one softmax over the 2n stacked tokens ("joint",
 the official code) or two separate softmaxes ("separate", the paper text). This module knows
@@ -34,6 +37,7 @@ from .fused_qkv import qkv_linears, qkv_projections, query_projection
 from .grid_pool import adaptive_avg_pool_tokens
 from .layout import TokenLayout
 from .local_conv import add_conv_
+from .neighbourhood import neighbourhood_attention
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -122,6 +126,9 @@ class VisualContrastAttention(CarriedAttentionLayer):
             initialised to 1 (the exact paper form). Off: no extra parameter.
         token_magnitude: add a per-token, per-head output gain exp(W·x + b) on the Stage-II rows (RMSNorm₂ erases
             each token's magnitude; calibration fits W, b in closed form). Zero-initialised: gain 1, the paper form.
+        local_window: k > 0 (odd) adds neighbourhood attention of each patch over its k×k patch neighbours and the
+            prefix keys, mixed into the patch rows by per-channel scales (`global_scale` α on Stage II's output,
+            init 1; `local_scale` β on the local term, init 0: the layer without it). 0: no local term.
     """
 
     def __init__(
@@ -136,8 +143,16 @@ class VisualContrastAttention(CarriedAttentionLayer):
         prefix_readout: PrefixReadout = "contrast",
         stage2_temperature: bool = False,
         token_magnitude: bool = False,
+        local_window: int = 0,
         **carried: Unpack[CarriedLayerOptions],
     ) -> None:
+        if (
+            isinstance(local_window, bool)
+            or not isinstance(local_window, int)
+            or local_window < 0
+            or (local_window and local_window % 2 == 0)
+        ):
+            raise ValueError(f"local_window must be 0 (off) or an odd kernel size (3, 5, 7, ...), got {local_window!r}")
         if softmax not in ("joint", "separate"):
             raise ValueError(f"softmax must be 'joint' or 'separate', got {softmax!r}")
         if prefix_readout not in ("contrast", "exact"):
@@ -167,6 +182,9 @@ class VisualContrastAttention(CarriedAttentionLayer):
         self.dwc = nn.Conv2d(attn_dim, attn_dim, 3, padding=1, groups=attn_dim, **dd)
         self.stage2_temperature = nn.Parameter(torch.ones(num_heads, **dd)) if stage2_temperature else None
         self.token_gain = nn.Linear(dim, num_heads, **dd) if token_magnitude else None  # log-gain per token and head
+        self.local_window = local_window
+        self.global_scale = nn.Parameter(torch.ones(attn_dim, **dd)) if local_window else None  # α [C]
+        self.local_scale = nn.Parameter(torch.zeros(attn_dim, **dd)) if local_window else None  # β [C]
         self._kernel_arguments: tuple[tuple, tuple] | None = None  # (parameter versions, fused-kernel arguments)
         self._qkv_split: tuple[tuple, list] | None = None  # (parameter addresses, [(weight, bias)] of q, k, v)
         self.reset_vca_parameters("preserve")
@@ -186,6 +204,9 @@ class VisualContrastAttention(CarriedAttentionLayer):
         if self.token_gain is not None:  # gain exp(0) = 1 in both modes
             self.token_gain.weight.zero_()
             self.token_gain.bias.zero_()
+        if self.local_window:  # α = 1, β = 0: no local term, in both modes
+            self.global_scale.fill_(1.0)
+            self.local_scale.zero_()
         if mode == "paper":
             nn.init.normal_(self.contrast_embed_pos)
             nn.init.normal_(self.contrast_embed_neg)
@@ -278,7 +299,9 @@ class VisualContrastAttention(CarriedAttentionLayer):
 
     def _fused_kernel_usable(self, x: torch.Tensor) -> bool:
         """float32 CPU inference (nothing needs a gradient; float32 weights, input float32 or under CPU autocast)
-        and the kernel built (see `fused_cpu`)."""
+        and the kernel built (see `fused_cpu`); the kernel has no local term."""
+        if self.local_window:
+            return False
         if x.device.type != "cpu" or self.contrast_embed_pos.dtype != torch.float32:
             return False
         if x.dtype != torch.float32 and not (torch.is_autocast_enabled("cpu") and x.dtype.is_floating_point):
@@ -389,15 +412,25 @@ class VisualContrastAttention(CarriedAttentionLayer):
             k_pos, k_neg = keys.split(n, dim=2)
             o = F.scaled_dot_product_attention(q, k_pos, v_hat, scale=self.scale)
             o = o - lambda2 * F.scaled_dot_product_attention(q, k_neg, v_hat, scale=self.scale)
-        return self.output(x, o, prefix_out, v if local_values is None else local_values, layout)
+        local = None
+        if self.local_window:  # [B, M, H·W, d]; k and v hold every token here (a reduction's layers have no term)
+            local = neighbourhood_attention(q, k, v, layout, self.local_window, self.scale)
+        return self.output(x, o, prefix_out, v if local_values is None else local_values, layout, local)
 
     def output(
-        self, x: torch.Tensor, o: torch.Tensor, prefix_out: torch.Tensor, v: torch.Tensor, layout: TokenLayout
+        self,
+        x: torch.Tensor,
+        o: torch.Tensor,
+        prefix_out: torch.Tensor,
+        v: torch.Tensor,
+        layout: TokenLayout,
+        local: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """y = proj((1−λ_init)·RMSNorm₂(o) + DWC(v[patches])), prefix rows replaced by `prefix_out` when given.
 
         o: Stage-II output [B, M, N, d]; prefix_out: exact prefix read-out [B, M, P', d] (P' = 0: none);
-        v: values [B, M, N, d]. Without autograd, o is normalised in place.
+        v: values [B, M, N, d]; local: the neighbourhood term of the patch rows [B, M, H·W, d], mixed in as
+        α⊙o + β⊙local (None: no local term). Without autograd, o is normalised in place.
         """
         B, _, N, _ = o.shape
         P = layout.num_prefix_tokens
@@ -406,6 +439,8 @@ class VisualContrastAttention(CarriedAttentionLayer):
         if prefix_out.shape[2]:
             o[:, :P] = prefix_out.transpose(1, 2)
         o = o.reshape(B, N, self.attn_dim)
+        if local is not None:
+            o = self._mix_local(o, local, P)
 
         # Local term: depthwise 3×3 conv on the patch values, added in place to the patch rows (prefix rows get
         # none). Both grids are channels-last views of token rows (oneDNN's NHWC depthwise kernel, ~2x NCHW on CPU).
@@ -413,6 +448,16 @@ class VisualContrastAttention(CarriedAttentionLayer):
         add_conv_(o[:, P:].view(B, H, W, self.attn_dim).permute(0, 3, 1, 2), _patch_grid(v, layout), self.dwc)
 
         return self.project_out(x, self.apply_token_gain(x, o, layout))
+
+    def _mix_local(self, o: torch.Tensor, local: torch.Tensor, P: int) -> torch.Tensor:
+        """o [B, N, C] with its patch rows α⊙o + β⊙local (local [B, M, H·W, d]); in place without autograd."""
+        B, N, C = o.shape
+        local = local.transpose(1, 2).reshape(B, N - P, C)
+        alpha, beta = self.global_scale.to(o.dtype), self.local_scale.to(o.dtype)
+        if torch.is_grad_enabled() and (o.requires_grad or local.requires_grad or beta.requires_grad):
+            return torch.cat([o[:, :P], torch.addcmul(o[:, P:] * alpha, local, beta)], dim=1)
+        o[:, P:].mul_(alpha).addcmul_(local, beta)
+        return o
 
     def apply_token_gain(self, x: torch.Tensor, o: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """o [B, N, attn_dim] with its Stage-II rows (patches; every row under contrast read-out) scaled per head

@@ -10,7 +10,8 @@ measured (relative error of the layer's attention output, after each step):
 * ``norm``: RMSNorm₂ weight per channel so the output matches the original attention's scale ("rms")
   or its least-squares fit ("lstsq").
 * ``dwc``: the depthwise 3×3 conv fitted by (ridge) least squares to the residual between the
-  original attention output and VCA's (per channel, 9 taps + bias).
+  original attention output and VCA's (per channel, 9 taps + bias); with a local term (``VCAConfig(local_window=k)``)
+  jointly with its per-channel mix (Stage II's output α, the neighbourhood attention β).
 * ``magnitude``: the per-token output gain exp(W·x + b) (``VCAConfig(token_magnitude=True)``) fitted by ridge
   least squares in log space to the ratio of the original's per-token, per-head output norm to VCA's, from the
   layer input x (RMSNorm₂ gives every token the same magnitude; the original's varies).
@@ -36,6 +37,7 @@ from torch import nn
 from ..adapters.call_shims import attention_output, call_tokens
 from ..attention import TokenLayout, VisualContrastAttention
 from ..attention.layout import tokens_to_grid
+from ..attention.neighbourhood import neighbourhood_attention
 from ..config import VCAConfig
 from ..fidelity import model_placement
 from ..surgery import PatchError, get_patch_state, patch_model, unpatch_model
@@ -92,11 +94,11 @@ def _pre_proj(
     return seen[0], attention_output(out)
 
 
-def _qkv(module: VisualContrastAttention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [B, M, N, d] after q_norm, v [B, M, N, d])."""
+def _qkv(module: VisualContrastAttention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k [B, M, N, d] after q_norm / k_norm, v [B, M, N, d])."""
     B, N, _ = x.shape
-    q, _, v = module.qkv(x).view(B, N, 3, module.num_heads, module.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-    return module.q_norm(q), v
+    q, k, v = module.qkv(x).view(B, N, 3, module.num_heads, module.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    return module.q_norm(q), module.k_norm(k), v
 
 
 def _rows(module: VisualContrastAttention, layout: TokenLayout) -> slice:
@@ -113,7 +115,7 @@ def _per_head_cosine(a: torch.Tensor, b: torch.Tensor, heads: int) -> torch.Tens
 
 @torch.no_grad()
 def _set_neg_noise(module: VisualContrastAttention, x: torch.Tensor, layout: TokenLayout, scale: float) -> None:
-    q, _ = _qkv(module, x)
+    q, _, _ = _qkv(module, x)
     pooled = F.adaptive_avg_pool2d(tokens_to_grid(q, layout), module.contrast_grid)
     rms = float(pooled.double().pow(2).mean().sqrt())
     module.contrast_embed_neg.normal_(0.0, scale * rms)
@@ -197,29 +199,48 @@ def _shifted(grid: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _fit_dwc(module: VisualContrastAttention, cap: LayerCapture, target: torch.Tensor, ridge: float) -> None:
+    """Fit the depthwise conv (9 taps + bias per channel) by ridge least squares to what the original attention
+    output has beyond VCA's; a layer with a local term (`local_window`) fits, jointly with it, the per-channel
+    mix α (Stage II's output) and β (the neighbourhood attention)."""
     if not isinstance(module.norm, nn.Identity) or module.gate is not None:
         return  # the conv term is not additive at the proj input; leave it at zero
     module.dwc.weight.zero_()
     module.dwc.bias.zero_()
+    mixed = bool(getattr(module, "local_window", 0))
+    if mixed:  # the layer without its local term: α = 1, β = 0
+        module.global_scale.fill_(1.0)
+        module.local_scale.zero_()
     layout, P = cap.layout, cap.layout.num_prefix_tokens
     got, _ = _pre_proj(module, cap.inputs, layout)
-    residual = (target[:, P:] - got[:, P:]).double()  # [B, HW, C]
-    C = residual.shape[-1]
-    _, v = _qkv(module, cap.inputs)
+    C = got.shape[-1]
+    q, k, v = _qkv(module, cap.inputs)
     feats = _shifted(tokens_to_grid(v, layout).double())  # [B, C, H, W, 9]
     feats = torch.cat([feats, torch.ones_like(feats[..., :1])], dim=-1)  # + bias
-    if getattr(module, "token_gain", None) is not None:  # the conv term is scaled by the token gain too: weight rows
+    if mixed:  # + the neighbourhood term
+        local = neighbourhood_attention(q, k, v, layout, module.local_window, module.scale)  # [B, M, H·W, d]
+        local = local.transpose(-1, -2).reshape(feats.shape[:-1]).double()  # [B, C, H, W]
+        feats = torch.cat([feats, local.unsqueeze(-1)], dim=-1)
+    if getattr(module, "token_gain", None) is not None:  # the terms are scaled by the token gain too: weight rows
         gain = module.token_gain(cap.inputs[:, P:]).double().exp()  # [B, HW, M]
         gain = gain.repeat_interleave(module.head_dim, dim=-1).transpose(1, 2).reshape(feats.shape[:-1])
         feats = feats * gain.unsqueeze(-1)
-    A = feats.permute(1, 0, 2, 3, 4).reshape(C, -1, 10)  # [C, S, 10]
+    if mixed:  # + Stage II's output as the layer gives it (gain included), whose factor becomes α
+        feats = torch.cat([feats, got[:, P:].double().transpose(1, 2).reshape(feats.shape[:-1]).unsqueeze(-1)], -1)
+        residual = target[:, P:].double()  # [B, HW, C]
+    else:
+        residual = (target[:, P:] - got[:, P:]).double()
+    T = feats.shape[-1]
+    A = feats.permute(1, 0, 2, 3, 4).reshape(C, -1, T)  # [C, S, T]
     R = residual.permute(2, 0, 1).reshape(C, -1, 1)  # [C, S, 1]
     gram = A.transpose(1, 2) @ A
     reg = ridge * gram.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)
-    gram = gram + reg.view(C, 1, 1) * torch.eye(10, dtype=gram.dtype, device=gram.device)
-    w = torch.linalg.solve(gram, A.transpose(1, 2) @ R).squeeze(-1)  # [C, 10]
+    gram = gram + reg.view(C, 1, 1) * torch.eye(T, dtype=gram.dtype, device=gram.device)
+    w = torch.linalg.solve(gram, A.transpose(1, 2) @ R).squeeze(-1)  # [C, T]
     module.dwc.weight.copy_(w[:, :9].reshape(C, 1, 3, 3).to(module.dwc.weight.dtype))
     module.dwc.bias.copy_(w[:, 9].to(module.dwc.bias.dtype))
+    if mixed:
+        module.local_scale.copy_(w[:, 10].to(module.local_scale.dtype))
+        module.global_scale.copy_(w[:, 11].to(module.global_scale.dtype))
 
 
 def _grown_tokens(n: int, num_patches: int) -> int:
