@@ -247,3 +247,27 @@ def test_local_window_lifts_real_weight_fidelity(dinov2):
     # Measured (CLS, patch): (0.841, 0.748) -> (0.923, 0.907).
     assert after[0] > before[0] + 0.04, (before, after)
     assert after[1] > before[1] + 0.08, (before, after)
+
+
+# --- CLI ----------------------------------------------------------------------------------------------------------
+
+
+def test_convert_builds_the_local_term_and_refuses_a_bad_window(tmp_path):
+    from typer.testing import CliRunner
+
+    from vca_patch.cli import app
+
+    runner = CliRunner()
+    base = ["convert", "deit_tiny_patch16_224", "--no-pretrained", "--img-size", "64"]
+    out = tmp_path / "out"
+    options = ["--contrast-tokens", "4", "--local-window", "3", "--device", "cpu", "--probe-size", "1"]
+    result = runner.invoke(app, [*base, *options, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["config"]["local_window"] == 3
+    reloaded = vca_patch.from_pretrained(out)
+    assert {m.local_window for m in reloaded.modules() if isinstance(m, VisualContrastAttention)} == {3}
+    for extra, message in ((["--local-window", "4"], "local_window must be 0 (off) or an odd kernel size"),
+                           (["--to", "mano", "--local-window", "3"], "--local-window is for --to vca")):  # fmt: skip
+        result = runner.invoke(app, [*base, *extra, "-o", str(tmp_path / "bad")])
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert not (tmp_path / "bad").exists()

@@ -93,6 +93,12 @@ def convert(
             help="VCA: per-token output gain that calibration fits (default: on for single-grid ViTs)",
         ),
     ] = None,
+    local_window: Annotated[
+        int,
+        typer.Option(
+            help="VCA: each patch also attends to its K x K neighbours (odd K, e.g. 7; calibration fits it; 0: off)"
+        ),
+    ] = 0,
     grow_tokens: Annotated[
         float | None,
         typer.Option(help="VCA calibration: layers whose error stays above this get 4x the contrast tokens (e.g. 0.4)"),
@@ -151,7 +157,8 @@ def convert(
                     "--calibration-data": (calibration_data, None), "--split": (split, "train"),
                     "--eval-split": (eval_split, "test"), "--swin-mode": (swin_mode, "residual"),
                     "--pvt-mode": (pvt_mode, "carry"), "--stage-contrast-tokens": (stage_contrast_tokens, None),
-                    "--token-magnitude": (token_magnitude, None), "--grow-tokens": (grow_tokens, None)},
+                    "--token-magnitude": (token_magnitude, None), "--grow-tokens": (grow_tokens, None),
+                    "--local-window": (local_window, 0)},
             "mano": {"--window": (window, 7), "--rate": (rate, 2), "--levels": (levels, None), "--down": (down, "conv"),
                      "--up": (up, "conv"), "--prefix": (prefix, "global")},
             "didb": {"--packed": (packed, False)},
@@ -181,7 +188,7 @@ def convert(
             config = VCAConfig(
                 contrast_tokens=contrast_tokens, softmax=softmax, init=init, layers=parse_layers(layers), seed=seed,
                 prefix_readout=prefix_readout, stage2_temperature=stage2_temperature, token_magnitude=token_magnitude,
-                include=include, exclude=exclude,
+                local_window=local_window, include=include, exclude=exclude,
                 swin_mode=swin_mode, pvt_mode=pvt_mode, stage_contrast_tokens=parse_stage_tokens(stage_contrast_tokens),
             )  # fmt: skip
         elif to == "mano":
