@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import vca_patch
 from tests.reference_vca import reference_vca
 from tests.test_vca_attention import _randomised
-from vca_patch.attention import TokenLayout, VisualContrastAttention
+from vca_patch.attention import TokenLayout, VisualContrastAttention, fused_cpu
 from vca_patch.attention.neighbourhood import neighbourhood_attention
 from vca_patch.config import ConfigError, VCAConfig
 from vca_patch.recovery import calibrate
@@ -90,8 +90,8 @@ def _layer(local_window: int, readout: str = "exact") -> VisualContrastAttention
 
 @pytest.mark.parametrize("readout", ["exact", "contrast"])
 def test_layer_mix_matches_float64_reference(readout):
-    """Patch rows before the projection: α⊙(Stage II) + β⊙neighbourhood attention (DWC zeroed here: the
-    reference adds it to Stage II's rows, the layer after the mix); prefix rows untouched."""
+    """Before the projection: Stage II's rows times α, the patch rows plus β⊙neighbourhood attention (DWC zeroed
+    here: the reference adds it to Stage II's rows, the layer after the mix)."""
     module = _layer(5, readout)
     with torch.no_grad():
         module.dwc.weight.zero_()
@@ -106,7 +106,8 @@ def test_layer_mix_matches_float64_reference(readout):
     q, k, v = (t.view(2, -1, 3, 8).transpose(1, 2) for t in module.qkv(x).detach().chunk(3, dim=-1))
     local = _loop_reference(q, k, v, prefix, grid, 5, module.scale).transpose(1, 2).reshape(2, 20, 24)
     alpha, beta = module.global_scale.detach(), module.local_scale.detach()
-    o[:, prefix:] = alpha * o[:, prefix:] + beta * local
+    o[:, prefix if readout == "exact" else 0 :] *= alpha  # Stage II's rows: every row under contrast read-out
+    o[:, prefix:] += beta * local
     expected = o @ module.proj.weight.detach().T + module.proj.bias.detach()
     layout = TokenLayout(prefix, grid)
     with torch.no_grad():
@@ -117,7 +118,7 @@ def test_layer_mix_matches_float64_reference(readout):
     assert module.local_scale.grad.abs().sum() > 0 and module.global_scale.grad.abs().sum() > 0
 
 
-def test_fresh_local_term_is_the_plain_layer_and_skips_the_fused_kernel():
+def test_fresh_local_term_is_the_plain_layer():
     plain = _randomised(VisualContrastAttention(24, 3, contrast_grid=(2, 2), layer_index=1)).double()
     local = VisualContrastAttention(24, 3, contrast_grid=(2, 2), layer_index=1, local_window=3).double()
     local.load_state_dict(plain.state_dict(), strict=False)
@@ -125,10 +126,32 @@ def test_fresh_local_term_is_the_plain_layer_and_skips_the_fused_kernel():
     x = torch.randn(2, 1 + 16, 24, dtype=torch.float64)
     layout = TokenLayout(1, (4, 4))
     torch.testing.assert_close(local(x, layout=layout), plain(x, layout=layout), rtol=0, atol=0)
-    with torch.no_grad():
-        assert not local.float()._fused_kernel_usable(x.float())
     with pytest.raises(ValueError, match="local_window"):
         VisualContrastAttention(24, 3, local_window=2)
+
+
+@pytest.mark.skipif(not fused_cpu.kernel_available(), reason=f"kernel: {fused_cpu.kernel_status()}")
+@pytest.mark.parametrize("readout", ["exact", "contrast"])
+@pytest.mark.parametrize(("prefix", "grid", "kernel"), [(1, (6, 6), 3), (2, (5, 7), 5), (0, (4, 4), 7)])
+def test_fused_kernel_computes_the_local_term(readout, prefix, grid, kernel):
+    """float32 inference through the fused kernel (α in RMSNorm₂'s per-head weight, the neighbourhood op, β and v's
+    bias after it), with the per-token gain too, against the composite path of the same float32 layer."""
+    torch.manual_seed(1)
+    module = VisualContrastAttention(
+        24, 3, contrast_grid=(2, 2), layer_index=2, prefix_readout=readout, local_window=kernel, token_magnitude=True
+    )
+    module = _randomised(module)
+    x = torch.randn(2, prefix + grid[0] * grid[1], 24)
+    layout = TokenLayout(prefix, grid)
+    with torch.no_grad():
+        assert module._fused_kernel_usable(x)
+        fused = module(x, layout=layout)
+        with fused_cpu.use_kernel(False):
+            assert not module._fused_kernel_usable(x)
+            composite = module(x, layout=layout)
+    err = float((fused - composite).abs().max() / composite.abs().max())
+    assert err < 1e-5, err  # measured ~1e-7
+    assert float((0.9 * composite - composite).abs().max() / composite.abs().max()) > 1000 * 1e-5
 
 
 def test_config_option_validates_round_trips_and_refuses_hierarchical_stages():

@@ -51,6 +51,7 @@ def _build() -> None:
     if not _state["fake_registered"]:  # shapes for torch.compile: the op is an opaque call in a traced graph
         torch.library.register_fake("vca_patch::attend_cpu")(_fake_attend)
         torch.library.register_fake("vca_patch::attend_cpu_into_q")(_fake_attend_into_q)
+        torch.library.register_fake("vca_patch::neighbourhood_cpu")(_fake_neighbourhood)
         _state["fake_registered"] = True
 
 
@@ -61,6 +62,11 @@ def _fake_attend(q: torch.Tensor, *args: object) -> torch.Tensor:
 
 def _fake_attend_into_q(q: torch.Tensor, *args: object) -> None:
     return None
+
+
+def _fake_neighbourhood(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_prefix: int, H: int, W: int,
+                        *args: object) -> torch.Tensor:  # fmt: skip
+    return q.new_empty(q.shape[0], H * W, q.shape[1] * q.shape[3])
 
 
 _EXTENSION = LazyCppExtension(
@@ -114,3 +120,11 @@ def attend_cpu_into_q(
         return q_tokens
     torch.ops.vca_patch.attend_cpu_into_q(q, k, v, *args)
     return q_tokens
+
+
+def neighbourhood_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_prefix: int, H: int, W: int, kernel: int, scale: float
+) -> torch.Tensor:
+    """torch.ops.vca_patch.neighbourhood_cpu: VCA's local term for float32 inference (q, k, v [B, M, N, d] with a
+    unit channel stride) -> [B, H·W, M·d], token-major; call `kernel_available()` first."""
+    return torch.ops.vca_patch.neighbourhood_cpu(q, k, v, num_prefix, H, W, kernel, scale)

@@ -4,8 +4,9 @@ around it on the grid, with one softmax over those (neighbours past the grid's e
 VCA's optional local term (`VisualContrastAttention(local_window=k)`): the pooled contrast tokens carry the
 global part of a pretrained model's attention, and this carries the sharp, content-dependent local part that a
 fixed depthwise conv cannot. Cost O(H·W·(P + k²)·d) per head: linear in the tokens, like the rest of the layer.
-It runs as k² shifted views of the zero-padded key and value grids (no k²-fold copy of them): 6-25x faster on
-CPU than unfolding the neighbourhoods, measured at 16×16 and 37×37 grids.
+Float32 CPU inference runs the fused kernel's op (`fused_cpu.neighbourhood_cpu`: one parallel loop, the
+neighbourhood's keys and values read from cache); everything else runs k² shifted views of the zero-padded key and
+value grids (no k²-fold copy of them: 6-25x faster on CPU than unfolding the neighbourhoods).
 """
 
 from __future__ import annotations
@@ -13,11 +14,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import fused_cpu
 from .layout import TokenLayout
 
 
 def _offsets(kernel: int) -> list[tuple[int, int]]:
     return [(i, j) for i in range(kernel) for j in range(kernel)]
+
+
+def kernel_usable(*tensors: torch.Tensor) -> bool:
+    """float32 CPU tensors with a unit channel stride, no gradient needed, and the fused kernel built."""
+    plain = all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return plain and not grad and not torch.compiler.is_compiling() and fused_cpu.kernel_available()
 
 
 def neighbourhood_attention(
@@ -30,6 +39,9 @@ def neighbourhood_attention(
         raise ValueError(f"the neighbourhood kernel must be a positive odd size, got {kernel}")
     B, M, _, d = q.shape
     P, (H, W), r = layout.num_prefix_tokens, layout.grid, kernel // 2
+    if kernel_usable(q, k, v):
+        out = fused_cpu.neighbourhood_cpu(q, k, v, P, H, W, kernel, scale)  # [B, H·W, M·d]
+        return out.view(B, H * W, M, d).transpose(1, 2)
 
     def grid(x: torch.Tensor) -> torch.Tensor:  # [B, M, N, d] -> patch rows as [B, M, H, W, d]
         return x[:, :, P:].reshape(B, M, H, W, d)

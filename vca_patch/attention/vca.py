@@ -9,7 +9,8 @@ Linear-cost attention through n pooled "contrast tokens" and a positive/negative
     y      = proj(merge_heads(o) + DWC₃ₓ₃(v[patches]))
 
 With `local_window=k` the patch rows also read their k×k neighbourhood (`neighbourhood_attention`), mixed per
-channel: o[patches] = α⊙o[patches] + β⊙NA_k(q, k, v), with α = 1, β = 0 at init (the layer above).
+channel: o = α⊙o on Stage II's rows, + β⊙NA_k(q, k, v) on the patch rows, with α = 1, β = 0 at init (the layer
+above).
 
 Prefix tokens (CLS, distillation, registers) are keys in Stage I and queries in Stage II but are
 never pooled and get no DWC term. Stage II uses one softmax over the 2n stacked tokens ("joint",
@@ -299,9 +300,7 @@ class VisualContrastAttention(CarriedAttentionLayer):
 
     def _fused_kernel_usable(self, x: torch.Tensor) -> bool:
         """float32 CPU inference (nothing needs a gradient; float32 weights, input float32 or under CPU autocast)
-        and the kernel built (see `fused_cpu`); the kernel has no local term."""
-        if self.local_window:
-            return False
+        and the kernel built (see `fused_cpu`)."""
         if x.device.type != "cpu" or self.contrast_embed_pos.dtype != torch.float32:
             return False
         if x.dtype != torch.float32 and not (torch.is_autocast_enabled("cpu") and x.dtype.is_floating_point):
@@ -312,22 +311,45 @@ class VisualContrastAttention(CarriedAttentionLayer):
 
     def attend_fused(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """`forward` through the fused CPU kernel (float32 inference): the same function, one op for everything
-        between the projections. With plain q/k norms the q and v biases are folded into the kernel (the k bias
-        cancels in every softmax), which spares the GEMMs' bias copies."""
+        between the projections (and one more for the local term). With plain q/k norms the q and v biases are
+        folded into the kernel (the k bias cancels in every softmax), which spares the GEMMs' bias copies."""
         parts = self._qkv_parts()
         P, (H, W) = layout.num_prefix_tokens, layout.grid
         if parts is not None and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
             (w_q, q_bias), (w_k, _), (w_v, v_bias) = parts
             q, k, v = (F.linear(x, weight) for weight in (w_q, w_k, w_v))  # [B, N, C] each
+            local = None
+            if self.local_window:  # before the kernel writes o over q; values' weights sum to 1: + v's bias after
+                q_local = q if q_bias is None else q + q_bias
+                local = self._local_fused(self._heads(q_local), self._heads(k), self._heads(v), layout, v_bias)
             args = (self._heads(k), self._heads(v), P, H, W, q_bias, v_bias, *self.kernel_arguments())
             if not torch.compiler.is_compiling():  # eager: o over q's buffer, the output in k's (both dead)
-                o = fused_cpu.attend_cpu_into_q(q, self._heads(q), *args)
+                o = self._add_local(fused_cpu.attend_cpu_into_q(q, self._heads(q), *args), local, P)
                 return self.project_out(x, self.apply_token_gain(x, o, layout), into=k)
-            o = fused_cpu.attend_cpu(self._heads(q), *args)  # one functional op traced
+            o = self._add_local(fused_cpu.attend_cpu(self._heads(q), *args), local, P)  # one functional op traced
             return self.project_out(x, self.apply_token_gain(x, o, layout))
         q, k, v = self.project_qkv(x)
-        o = fused_cpu.attend_cpu(self.q_norm(q), self.k_norm(k), v, P, H, W, None, None, *self.kernel_arguments())
-        return self.project_out(x, self.apply_token_gain(x, o, layout))
+        q, k = self.q_norm(q), self.k_norm(k)
+        local = self._local_fused(q, k, v, layout) if self.local_window else None
+        o = fused_cpu.attend_cpu(q, k, v, P, H, W, None, None, *self.kernel_arguments())
+        return self.project_out(x, self.apply_token_gain(x, self._add_local(o, local, P), layout))
+
+    def _local_fused(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, v_bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """β⊙(neighbourhood attention + v's bias) of the patch rows through the kernel's op: [B, H·W, C]."""
+        (H, W), P = layout.grid, layout.num_prefix_tokens
+        local = fused_cpu.neighbourhood_cpu(q, k, v, P, H, W, self.local_window, self.scale)  # [B, H·W, C]
+        if v_bias is not None:
+            local += v_bias
+        return local.mul_(self.local_scale.detach().float())
+
+    @staticmethod
+    def _add_local(o: torch.Tensor, local: torch.Tensor | None, P: int) -> torch.Tensor:
+        """o [B, N, C] with `local` ([B, H·W, C], None: nothing) added to its patch rows, in place."""
+        if local is not None:
+            o[:, P:] += local
+        return o
 
     def kernel_arguments(self) -> tuple:
         """The fused kernel's arguments after the biases (see the C++ source), rebuilt only when a parameter
@@ -337,6 +359,7 @@ class VisualContrastAttention(CarriedAttentionLayer):
         sources = (
             self.contrast_embed_pos, self.contrast_embed_neg, self.stage2_temperature, self.stage1_norm.weight,
             self.stage2_norm.weight, self.dwc.weight, self.dwc.bias, *self.lambda1.vectors(), *self.lambda2.vectors(),
+            self.global_scale,
         )  # fmt: skip
         key = tuple((p.data_ptr(), p._version) for p in sources if p is not None)
         if self._kernel_arguments is None or self._kernel_arguments[0] != key:
@@ -354,7 +377,7 @@ class VisualContrastAttention(CarriedAttentionLayer):
                 self.lambda1().float(),  # 0-d: read by the kernel, no sync here
                 self.lambda2().float(),
                 (self.stage1_norm.weight.float() * scale).contiguous(),  # [d]
-                (self.stage2_norm.weight.float() * scale).contiguous(),
+                self._stage2_weight(scale),
                 self.stage1_norm.eps,
                 self.stage2_norm.eps,
                 self.scale,
@@ -364,6 +387,13 @@ class VisualContrastAttention(CarriedAttentionLayer):
                 self.dwc.weight.float().reshape(self.attn_dim, 9).t().contiguous(),  # [9, C], tap-major
                 self.dwc.bias.float().contiguous(),
             )
+
+    def _stage2_weight(self, scale: float) -> torch.Tensor:
+        """RMSNorm₂'s weight for the kernel, times `scale`: [d], or [C] (per head) times α with a local term."""
+        weight = self.stage2_norm.weight.float() * scale
+        if self.global_scale is None:
+            return weight.contiguous()
+        return (weight.repeat(self.num_heads) * self.global_scale.float()).contiguous()
 
     def attend(
         self,
@@ -450,13 +480,17 @@ class VisualContrastAttention(CarriedAttentionLayer):
         return self.project_out(x, self.apply_token_gain(x, o, layout))
 
     def _mix_local(self, o: torch.Tensor, local: torch.Tensor, P: int) -> torch.Tensor:
-        """o [B, N, C] with its patch rows α⊙o + β⊙local (local [B, M, H·W, d]); in place without autograd."""
+        """o [B, N, C] with its Stage-II rows (patches; every row under contrast read-out) times α and its patch rows
+        plus β⊙local (local [B, M, H·W, d]); in place without autograd."""
         B, N, C = o.shape
+        start = P if self.prefix_readout == "exact" else 0
         local = local.transpose(1, 2).reshape(B, N - P, C)
         alpha, beta = self.global_scale.to(o.dtype), self.local_scale.to(o.dtype)
-        if torch.is_grad_enabled() and (o.requires_grad or local.requires_grad or beta.requires_grad):
-            return torch.cat([o[:, :P], torch.addcmul(o[:, P:] * alpha, local, beta)], dim=1)
-        o[:, P:].mul_(alpha).addcmul_(local, beta)
+        if torch.is_grad_enabled() and (o.requires_grad or local.requires_grad or alpha.requires_grad):
+            rows = [o[:, :start], o[:, start:P] * alpha, torch.addcmul(o[:, P:] * alpha, local, beta)]
+            return torch.cat(rows, dim=1)
+        o[:, start:].mul_(alpha)
+        o[:, P:].addcmul_(local, beta)
         return o
 
     def apply_token_gain(self, x: torch.Tensor, o: torch.Tensor, layout: TokenLayout) -> torch.Tensor:

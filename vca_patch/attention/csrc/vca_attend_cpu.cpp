@@ -154,7 +154,8 @@ void check_vector(const at::Tensor& t, int64_t numel, const char* name) {
 // q, k, v: [B, M, N, d] (unit channel stride; any batch, head and row strides, e.g. head views of token rows);
 // N = num_prefix + H·W tokens. q_bias, v_bias: [C] biases not yet added to q and v (a k bias needs no adding:
 // every softmax over keys is shift-invariant per row; the caller drops it). The rest are the layer's constants:
-// embed_pos/neg [n, C]; temperature [M] or None; lambda1/2 0-d; norm weights [d], already scaled by (1 − λ_init);
+// embed_pos/neg [n, C]; temperature [M] or None; lambda1/2 0-d; norm weights [d], already scaled by (1 − λ_init)
+// (norm2_weight may also be [C]: one [d] weight per head, for a layer that scales Stage II's output per channel);
 // dwc_taps [9, C] (tap-major depthwise weights); dwc_bias [C]. Writes o [B, N, C], the input of `proj`, to `out`,
 // which may be q's own buffer: every task reads its q rows (pooling, prefix, Stage-II block) before it writes the
 // same rows of o, and no task reads rows another one writes.
@@ -181,7 +182,8 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   check_vector(embed_pos, n * C, "embed_pos");
   check_vector(embed_neg, n * C, "embed_neg");
   check_vector(norm1_weight, d, "norm1_weight");
-  check_vector(norm2_weight, d, "norm2_weight");
+  const int64_t w2_head = norm2_weight.numel() == C && C != d ? d : 0;  // per-head [C] weight: head h at h·d
+  check_vector(norm2_weight, w2_head ? C : d, "norm2_weight");
   check_vector(dwc_taps, 9 * C, "dwc_taps");
   check_vector(dwc_bias, C, "dwc_bias");
   if (temperature.has_value()) check_vector(*temperature, M, "temperature");
@@ -427,7 +429,7 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
             }
           }
         }
-        normalise_add_taps_(o_row, scale_r, w2, static_cast<float>(eps2), d, r >= P ? bias_w + h * d : nullptr, tap_w,
+        normalise_add_taps_(o_row, scale_r, w2 + h * w2_head, static_cast<float>(eps2), d, r >= P ? bias_w + h * d : nullptr, tap_w,
                             tap_src, taps, vbh);
       }
       // Interior rows by channel block: the nine tap weights stay in registers and the three grid lines of v
@@ -437,7 +439,7 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
         const int64_t count = std::min(kLanes, d - c);
         std::array<Vec, 9> tap;
         for (int64_t i = 0; i < 9; ++i) tap[i] = load(head_taps + i * C + c, count);
-        const Vec weight = load(w2 + c, count), bias = load(interior_bias + c, count);
+        const Vec weight = load(w2 + h * w2_head + c, count), bias = load(interior_bias + c, count);
         for (int64_t r = r0; r < r1; ++r) {
           if (!interior[r - r0]) continue;
           float* o = o_block + (r - r0) * C + c;
@@ -494,6 +496,82 @@ void attend_cpu_into_q(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
               norm1_weight, norm2_weight, eps1, eps2, scale, exact_prefix, joint, gh, gw, dwc_taps, dwc_bias, out);
 }
 
+inline float dot(const float* a, const float* b, int64_t d) {
+  Vec acc(0.f);
+  for (int64_t c = 0; c < d; c += kLanes) {
+    const int64_t count = std::min(kLanes, d - c);
+    acc = at::vec::fmadd(load(a + c, count), load(b + c, count), acc);
+  }
+  return lane_sum(acc);
+}
+
+// VCA's local term (float32 inference): neighbourhood attention of the patch rows. q, k, v [B, M, N, d] as in
+// attend_into (biases already added); N = num_prefix + H·W. Each patch row takes one softmax over the prefix keys
+// and the kernel × kernel patch keys around it that lie on the grid. Returns [B, H·W, M·d]: token-major, the layout
+// of the patch rows of o. One task per (image, head, grid line): the kernel's grid lines of k and v stay in cache.
+at::Tensor neighbourhood_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_prefix,
+                             int64_t H, int64_t W, int64_t kernel, double scale) {
+  check_heads(q, "q");
+  check_heads(k, "k");
+  check_heads(v, "v");
+  const int64_t B = q.size(0), M = q.size(1), N = q.size(2), d = q.size(3), C = M * d, P = num_prefix;
+  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), "q, k and v must have one shape, got q ", q.sizes(),
+              ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(P >= 0 && H > 0 && W > 0 && N == P + H * W, "tokens (", N, ") must be prefix + H·W (", P, " + ", H,
+              "×", W, ")");
+  TORCH_CHECK(kernel > 0 && kernel % 2 == 1, "the neighbourhood kernel must be a positive odd size, got ", kernel);
+  at::Tensor out = at::empty({B, H * W, C}, q.options());
+  if (B == 0) return out;
+  const int64_t qb = q.stride(0), qh_ = q.stride(1), qr = q.stride(2);
+  const int64_t kb = k.stride(0), kh_ = k.stride(1), kr = k.stride(2);
+  const int64_t vb = v.stride(0), vh_ = v.stride(1), vr = v.stride(2);
+  const float* q_data = q.data_ptr<float>();
+  const float* k_data = k.data_ptr<float>();
+  const float* v_data = v.data_ptr<float>();
+  float* o_data = out.data_ptr<float>();
+  const int64_t reach = kernel / 2, slots = P + kernel * kernel;
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, B * M * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> logits(slots);
+    std::vector<const float*> rows(slots);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / (M * H), h = (t / H) % M, y = t % H;
+      const float* qh = q_data + b * qb + h * qh_;
+      const float* kh = k_data + b * kb + h * kh_;
+      const float* vh = v_data + b * vb + h * vh_;
+      const int64_t y0 = std::max<int64_t>(0, y - reach), y1 = std::min<int64_t>(H - 1, y + reach);
+      for (int64_t x = 0; x < W; ++x) {
+        const float* q_row = qh + (P + y * W + x) * qr;
+        int64_t count = 0;
+        for (int64_t p = 0; p < P; ++p) {
+          logits[count] = s * dot(q_row, kh + p * kr, d);
+          rows[count++] = vh + p * vr;
+        }
+        const int64_t x0 = std::max<int64_t>(0, x - reach), x1 = std::min<int64_t>(W - 1, x + reach);
+        for (int64_t yy = y0; yy <= y1; ++yy) {
+          for (int64_t xx = x0; xx <= x1; ++xx) {
+            const int64_t j = P + yy * W + xx;
+            logits[count] = s * dot(q_row, kh + j * kr, d);
+            rows[count++] = vh + j * vr;
+          }
+        }
+        float top = -std::numeric_limits<float>::infinity(), sum = 0.f;
+        for (int64_t i = 0; i < count; ++i) top = std::max(top, logits[i]);
+        for (int64_t i = 0; i < count; ++i) sum += (logits[i] = std::exp(logits[i] - top));
+        const float inv = 1.f / sum;
+        float* o = o_data + (b * H * W + y * W + x) * C + h * d;
+        for (int64_t c = 0; c < d; c += kLanes) {
+          const int64_t lanes = std::min(kLanes, d - c);
+          Vec acc(0.f);
+          for (int64_t i = 0; i < count; ++i) acc = at::vec::fmadd(Vec(logits[i] * inv), load(rows[i] + c, lanes), acc);
+          store(acc, o + c, lanes);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // The arguments after q, shared by both ops' schemas.
 #define VCA_ATTEND_ARGUMENTS                                                                                  \
   "Tensor k, Tensor v, int num_prefix, int H, int W, Tensor? q_bias, Tensor? v_bias, Tensor embed_pos, "      \
@@ -505,9 +583,12 @@ TORCH_LIBRARY(vca_patch, m) {
   m.def("attend_cpu(Tensor q, " VCA_ATTEND_ARGUMENTS ") -> Tensor",
         {at::Tag::needs_fixed_stride_order});  // under torch.compile, inputs keep their eager strides
   m.def("attend_cpu_into_q(Tensor(a!) q, " VCA_ATTEND_ARGUMENTS ") -> ()");
+  m.def("neighbourhood_cpu(Tensor q, Tensor k, Tensor v, int num_prefix, int H, int W, int kernel, float scale) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vca_patch, CPU, m) {
   m.impl("attend_cpu", &attend_cpu);
   m.impl("attend_cpu_into_q", &attend_cpu_into_q);
+  m.impl("neighbourhood_cpu", &neighbourhood_cpu);
 }
