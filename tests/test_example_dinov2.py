@@ -114,7 +114,8 @@ def test_planned_run_converts_with_the_plan_it_prints(example, monkeypatch, caps
     ("argv", "match"),
     [(["--calibration", "65"], "in \\[1, 64\\]"), (["--size", "100"], "multiple"), (["--minutes", "0"], "minutes"),
      (["--plan-budget", "1.0"], "keeps the original"), (["--plan-images", "1"], "plan-images"),
-     (["--steps", "0"], "--steps must be >= 1"), (["--augment", "colour"], "invalid choice")],
+     (["--steps", "0"], "--steps must be >= 1"), (["--augment", "colour"], "invalid choice"),
+     (["--local-window", "4"], "--local-window must be 0 \\(off\\) or odd")],
 )  # fmt: skip
 def test_bad_arguments_are_refused_before_any_work(example, argv, match, capsys):
     with pytest.raises(SystemExit):
@@ -132,6 +133,7 @@ def test_train_images_are_checked_before_anything_loads(tmp_path, capsys):
     assert example.parse(["--quick"]).train_images == "calibration"  # quick stays offline
     assert example.parse([]).train_images == "packages" and example.parse([]).train_crops is None
     assert example.parse([]).augment == "none" and example.parse(["--augment", "photometric"]).augment == "photometric"
+    assert example.parse([]).local_window == 7 and example.parse(["--local-window", "0"]).local_window == 0
 
 
 def test_steps_fix_the_recipe_length_whatever_the_step_time():
