@@ -19,6 +19,7 @@ from vca_patch.config import ConfigError, VCAConfig
 from vca_patch.recovery import calibrate
 from vca_patch.recovery.calibrate import _pre_proj
 from vca_patch.recovery.capture import capture_original_layers, original_attention, patched_modules
+from vca_patch.surgery import get_patch_state
 
 timm = pytest.importorskip("timm")
 
@@ -167,7 +168,8 @@ def test_config_option_validates_round_trips_and_refuses_hierarchical_stages():
     before = {name: p.clone() for name, p in swin.state_dict().items()}
     with pytest.raises(ConfigError, match="single-grid"):
         vca_patch.patch_model(swin, VCAConfig(local_window=3, stage_contrast_tokens=[4, 1]))
-    assert not any(isinstance(m, VisualContrastAttention) for m in swin.modules())  # nothing half-patched
+    assert get_patch_state(swin) is None  # nothing half-patched
+    assert not any(isinstance(m, VisualContrastAttention) for m in swin.modules())
     assert swin.state_dict().keys() == before.keys()
 
 
@@ -294,3 +296,17 @@ def test_convert_builds_the_local_term_and_refuses_a_bad_window(tmp_path):
         result = runner.invoke(app, [*base, *extra, "-o", str(tmp_path / "bad")])
         assert result.exit_code == 2 and message in result.output, result.output
         assert not (tmp_path / "bad").exists()
+
+
+def test_joint_image_text_attention_refuses_the_local_term():
+    pytest.importorskip("diffusers", reason="diffusers is not installed")
+    from tests.helpers_diffusers import tiny_flux
+
+    model = tiny_flux()
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    with pytest.raises(ConfigError, match="joint image \\+ text attention"):
+        vca_patch.patch_model(model, VCAConfig(contrast_tokens=4, local_window=3))
+    assert get_patch_state(model) is None and not any(isinstance(m, VisualContrastAttention) for m in model.modules())
+    assert model.state_dict().keys() == before.keys() and all(
+        torch.equal(p, before[name]) for name, p in model.state_dict().items()
+    )

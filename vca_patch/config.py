@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from .attention import CarriedAttention, MultipoleAttention, VisualContrastAttention
+from .attention.joint_vca import CarriedJointAttention, CarriedSingleStreamAttention
 from .attention.staged_carry import CarriedWindowAttention, StagedCarriedAttention, default_stage_contrast_tokens
 from .attention.window_mano import build_window_mano
 
@@ -284,8 +285,11 @@ class VCAConfig(TargetConfig):
         if self.uses_token_magnitude(carried):  # only then: the hierarchical variants' builders need not know it
             settings["token_magnitude"] = True
         if self.local_window:
-            if isinstance(carried, StagedCarriedAttention):
-                raise ConfigError("local_window applies to single-grid ViTs, not hierarchical stages (PVT, Swin)")
+            if isinstance(carried, (StagedCarriedAttention, CarriedJointAttention, CarriedSingleStreamAttention)):
+                raise ConfigError(
+                    "local_window applies to single-grid ViTs, not hierarchical stages (PVT, Swin) or joint "
+                    "image + text attention (SD3, Flux)"
+                )
             settings["local_window"] = self.local_window
         if isinstance(carried, StagedCarriedAttention):  # a hierarchical stage builds its own VCA variant
             mode = getattr(self, carried.mode_option) if carried.mode_option else None

@@ -443,7 +443,9 @@ class VisualContrastAttention(CarriedAttentionLayer):
             o = F.scaled_dot_product_attention(q, k_pos, v_hat, scale=self.scale)
             o = o - lambda2 * F.scaled_dot_product_attention(q, k_neg, v_hat, scale=self.scale)
         local = None
-        if self.local_window:  # [B, M, H·W, d]; k and v hold every token here (a reduction's layers have no term)
+        if self.local_window:  # [B, M, H·W, d]
+            if local_values is not None:
+                raise ValueError("the local term reads keys on the query grid; a spatial reduction's keys are not")
             local = neighbourhood_attention(q, k, v, layout, self.local_window, self.scale)
         return self.output(x, o, prefix_out, v if local_values is None else local_values, layout, local)
 
