@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 import vca_patch
+from vca_patch.attention.neighbourhood import is_local_window
 from vca_patch.config import VCAConfig
 from vca_patch.io.atomic import atomic_write_text
 from vca_patch.planner import PlanError, PlanResult, plan_model
@@ -148,7 +149,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--plan-images must be in [2, --calibration {args.calibration}], got {args.plan_images}")
     if args.eval_crops < 0 or (args.batch_size is not None and args.batch_size < 1):
         parser.error("--eval-crops must be >= 0 and --batch-size >= 1")
-    if args.local_window < 0 or (args.local_window and args.local_window % 2 == 0):
+    if not is_local_window(args.local_window):
         parser.error(f"--local-window must be 0 (off) or odd (3, 5, 7, ...), got {args.local_window}")
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")

@@ -13,6 +13,7 @@ from torch import nn
 
 from .attention import CarriedAttention, MultipoleAttention, VisualContrastAttention
 from .attention.joint_vca import CarriedJointAttention, CarriedSingleStreamAttention
+from .attention.neighbourhood import is_local_window
 from .attention.staged_carry import CarriedWindowAttention, StagedCarriedAttention, default_stage_contrast_tokens
 from .attention.window_mano import build_window_mano
 
@@ -155,7 +156,8 @@ class VCAConfig(TargetConfig):
         local_window: k > 0 (odd: 3, 5, 7) adds a local term to each layer: every patch also attends to its k×k
             patch neighbours and the prefix tokens (neighbourhood attention, O(N·k²·C)), mixed in per channel
             (init: off; `calibrate` fits the mix with the depthwise conv). Measured on real DINOv2 weights at 224 px,
-            calibrated: CLS cosine 0.903 -> 0.954 at k = 7. 0 (default): the layer without it. Single-grid ViTs only.
+            calibrated: CLS cosine 0.903 -> 0.960, patch tokens 0.866 -> 0.928 at k = 7. 0 (default): the layer
+            without it. Single-grid ViTs only.
         layer_contrast_tokens: per-block overrides of contrast_tokens, {block index: n}.
         stage_contrast_tokens: n per stage of a hierarchical model (PVT, Swin), [stage 1, stage 2, ...]; None: the
             family default 9/16/49/49 (the paper's lab). contrast_tokens applies to single-grid ViTs only.
@@ -243,9 +245,10 @@ class VCAConfig(TargetConfig):
             raise ConfigError(f"stage2_temperature must be true or false, got {self.stage2_temperature!r}")
         if self.token_magnitude is not None and not isinstance(self.token_magnitude, bool):
             raise ConfigError(f"token_magnitude must be true, false or null (auto), got {self.token_magnitude!r}")
-        lw = self.local_window
-        if not _is_int(lw) or lw < 0 or (lw and lw % 2 == 0):
-            raise ConfigError(f"local_window must be 0 (off) or an odd kernel size (3, 5, 7, ...), got {lw!r}")
+        if not is_local_window(self.local_window):
+            raise ConfigError(
+                f"local_window must be 0 (off) or an odd kernel size (3, 5, 7, ...), got {self.local_window!r}"
+            )
         if self.layer_contrast_tokens is not None:
             if not isinstance(self.layer_contrast_tokens, dict):
                 raise ConfigError(f"layer_contrast_tokens must map block -> n, got {self.layer_contrast_tokens!r}")

@@ -18,6 +18,11 @@ from . import fused_cpu
 from .layout import TokenLayout
 
 
+def is_local_window(value: object) -> bool:
+    """Whether `value` is a valid `local_window`: 0 (no local term) or an odd kernel size (an int, not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0 and (value == 0 or value % 2 == 1)
+
+
 def _offsets(kernel: int) -> list[tuple[int, int]]:
     return [(i, j) for i in range(kernel) for j in range(kernel)]
 

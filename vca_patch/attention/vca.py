@@ -38,7 +38,7 @@ from .fused_qkv import qkv_linears, qkv_projections, query_projection
 from .grid_pool import adaptive_avg_pool_tokens
 from .layout import TokenLayout
 from .local_conv import add_conv_
-from .neighbourhood import neighbourhood_attention
+from .neighbourhood import is_local_window, neighbourhood_attention
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -147,12 +147,7 @@ class VisualContrastAttention(CarriedAttentionLayer):
         local_window: int = 0,
         **carried: Unpack[CarriedLayerOptions],
     ) -> None:
-        if (
-            isinstance(local_window, bool)
-            or not isinstance(local_window, int)
-            or local_window < 0
-            or (local_window and local_window % 2 == 0)
-        ):
+        if not is_local_window(local_window):
             raise ValueError(f"local_window must be 0 (off) or an odd kernel size (3, 5, 7, ...), got {local_window!r}")
         if softmax not in ("joint", "separate"):
             raise ValueError(f"softmax must be 'joint' or 'separate', got {softmax!r}")
