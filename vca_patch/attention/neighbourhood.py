@@ -5,8 +5,9 @@ VCA's optional local term (`VisualContrastAttention(local_window=k)`): the poole
 global part of a pretrained model's attention, and this carries the sharp, content-dependent local part that a
 fixed depthwise conv cannot. Cost O(H·W·(P + k²)·d) per head: linear in the tokens, like the rest of the layer.
 Float32 CPU inference runs the fused kernel's op (`fused_cpu.neighbourhood_cpu`: one parallel loop, the
-neighbourhood's keys and values read from cache); everything else runs k² shifted views of the zero-padded key and
-value grids (no k²-fold copy of them: 6-25x faster on CPU than unfolding the neighbourhoods).
+neighbourhood's keys and values read from cache); everything else (training, GPUs, bf16/fp16) runs it as masked
+attention of 8×8 query blocks over their prefix and halo keys in one batched SDPA: a fwd+bwd of 8 images at 16×16
+patches, k = 7, on 2 CPU cores takes 5x less time than k² shifted views of the key and value grids.
 """
 
 from __future__ import annotations
@@ -17,14 +18,12 @@ import torch.nn.functional as F
 from . import fused_cpu
 from .layout import TokenLayout
 
+BLOCK = 8  # query blocks of BLOCK × BLOCK patches (8: fastest of 8 and 16 at 16×16 and 37×37 grids, k = 7)
+
 
 def is_local_window(value: object) -> bool:
     """Whether `value` is a valid `local_window`: 0 (no local term) or an odd kernel size (an int, not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0 and (value == 0 or value % 2 == 1)
-
-
-def _offsets(kernel: int) -> list[tuple[int, int]]:
-    return [(i, j) for i in range(kernel) for j in range(kernel)]
 
 
 def kernel_usable(*tensors: torch.Tensor) -> bool:
@@ -42,31 +41,63 @@ def neighbourhood_attention(
     least (bf16/fp16 safe)."""
     if kernel < 1 or kernel % 2 == 0:
         raise ValueError(f"the neighbourhood kernel must be a positive odd size, got {kernel}")
-    B, M, _, d = q.shape
-    P, (H, W), r = layout.num_prefix_tokens, layout.grid, kernel // 2
     if kernel_usable(q, k, v):
+        B, M, _, d = q.shape
+        P, (H, W) = layout.num_prefix_tokens, layout.grid
         out = fused_cpu.neighbourhood_cpu(q, k, v, P, H, W, kernel, scale)  # [B, H·W, M·d]
         return out.view(B, H * W, M, d).transpose(1, 2)
+    return _blocked_attention(q, k, v, layout, kernel, scale)
+
+
+def _query_block_mask(layout: TokenLayout, kernel: int, device: torch.device) -> torch.Tensor:
+    """[nb, b², P + S²] bool, True where a query of a BLOCK × BLOCK query block may read a key of its block's keys: the
+    prefix, then its S × S halo (S = BLOCK + kernel − 1) in row-major order. A query reads the prefix and the halo
+    keys within kernel // 2 rows and columns that lie on the grid; the padding queries past the grid's edge (dropped
+    afterwards) read everything, so no softmax row is empty."""
+    P, (H, W), r, b = layout.num_prefix_tokens, layout.grid, kernel // 2, BLOCK
+    S = b + 2 * r
+
+    def axis(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Along one grid axis: [blocks, b, S] whether each (query, halo key) pair is within reach, whether the key
+        lies on the grid, and [blocks, b] whether the query lies past the grid (padding)."""
+        start = torch.arange(0, -(-n // b) * b, b, device=device).view(-1, 1, 1)  # [blocks, 1, 1] first query
+        query = torch.arange(b, device=device).view(1, b, 1)  # offset in the block
+        key = torch.arange(S, device=device).view(1, 1, S)  # offset in the halo, which starts r before the block
+        reach = (key - r - query).abs() <= r
+        on_grid = (start - r + key >= 0) & (start - r + key < n)
+        return reach & on_grid, (start + query >= n)[..., 0]
+
+    rows, padded_rows = axis(H)
+    cols, padded_cols = axis(W)
+    # [Hb, 1, b, 1, S, 1] & [1, Wb, 1, b, 1, S] -> [Hb, Wb, b, b, S, S]
+    allowed = rows[:, None, :, None, :, None] & cols[None, :, None, :, None, :]
+    padding = padded_rows[:, None, :, None] | padded_cols[None, :, None, :]  # [Hb, Wb, b, b]
+    allowed = (allowed | padding[..., None, None]).flatten(4).flatten(2, 3).flatten(0, 1)  # [nb, b², S²]
+    return torch.cat([allowed.new_ones(*allowed.shape[:2], P), allowed], dim=-1)
+
+
+def _blocked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, kernel: int, scale: float
+) -> torch.Tensor:
+    """`neighbourhood_attention` as masked attention of BLOCK × BLOCK query blocks over their prefix + halo keys:
+    one batched SDPA, differentiable, linear in the tokens (each block reads (BLOCK + kernel − 1)² + P keys)."""
+    B, M, _, d = q.shape
+    P, (H, W), r, b = layout.num_prefix_tokens, layout.grid, kernel // 2, BLOCK
+    Hb, Wb, S = -(-H // b), -(-W // b), b + 2 * r
+    pad_h, pad_w = Hb * b - H, Wb * b - W  # the grid padded to whole blocks
 
     def grid(x: torch.Tensor) -> torch.Tensor:  # [B, M, N, d] -> patch rows as [B, M, H, W, d]
         return x[:, :, P:].reshape(B, M, H, W, d)
 
-    queries = grid(q) * scale
-    keys = F.pad(grid(k), (0, 0, r, r, r, r))  # [B, M, H + 2r, W + 2r, d], zeros past the edge
-    values = F.pad(grid(v), (0, 0, r, r, r, r))
-    near = torch.stack(
-        [torch.linalg.vecdot(queries, keys[:, :, i : i + H, j : j + W]) for i, j in _offsets(kernel)], -1
-    )
-    on_grid = F.pad(torch.ones(H, W, dtype=torch.bool, device=q.device), (r, r, r, r))
-    inside = torch.stack([on_grid[i : i + H, j : j + W] for i, j in _offsets(kernel)], -1)  # [H, W, k²]
-    near = near.masked_fill(~inside, float("-inf")).reshape(B, M, H * W, kernel * kernel)
-    logits = torch.cat([queries.reshape(B, M, H * W, d) @ k[:, :, :P].transpose(-1, -2), near], dim=-1)
-    weights = logits.softmax(dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(v.dtype)
-    out = weights[..., :P] @ v[:, :, :P] if P else torch.zeros_like(queries).reshape(B, M, H * W, d)
-    out = out.reshape(B, M, H, W, d)
-    local = weights[..., P:].reshape(B, M, H, W, kernel * kernel)
-    grad = torch.is_grad_enabled() and (local.requires_grad or values.requires_grad)
-    for t, (i, j) in enumerate(_offsets(kernel)):
-        term = (local[..., t : t + 1], values[:, :, i : i + H, j : j + W])
-        out = torch.addcmul(out, *term) if grad else out.addcmul_(*term)
-    return out.reshape(B, M, H * W, d)
+    def halo(x: torch.Tensor) -> torch.Tensor:  # [B, M, N, d] -> each block's keys [B, nb, M, P + S², d]
+        padded = F.pad(grid(x), (0, 0, r, r + pad_w, r, r + pad_h))  # [B, M, Hb·b + 2r, Wb·b + 2r, d]
+        windows = padded.unfold(2, S, b).unfold(3, S, b)  # [B, M, Hb, Wb, d, S, S]
+        windows = windows.permute(0, 2, 3, 1, 5, 6, 4).reshape(B, Hb * Wb, M, S * S, d)
+        return torch.cat([x[:, None, :, :P].expand(B, Hb * Wb, M, P, d), windows], dim=3)
+
+    queries = F.pad(grid(q), (0, 0, 0, pad_w, 0, pad_h)).view(B, M, Hb, b, Wb, b, d)
+    queries = queries.permute(0, 2, 4, 1, 3, 5, 6).reshape(B, Hb * Wb, M, b * b, d)
+    mask = _query_block_mask(layout, kernel, q.device)[:, None]  # [nb, 1, b², P + S²]
+    out = F.scaled_dot_product_attention(queries, halo(k), halo(v), attn_mask=mask, scale=scale)  # [B, nb, M, b², d]
+    out = out.view(B, Hb, Wb, M, b, b, d).permute(0, 3, 1, 4, 2, 5, 6).reshape(B, M, Hb * b, Wb * b, d)
+    return out[:, :, :H, :W].reshape(B, M, H * W, d)
