@@ -43,6 +43,9 @@ def test_attention_macs_match_hand_values():
     assert vca_attention_macs(deit_t, 49, sdpa=False) == 7 * 49 * 197 * 192 + 9 * 196 * 192 == 13_312_320
     assert vca_attention_macs(deit_t, 49) == 8 * 49 * 197 * 192 + 9 * 196 * 192 == 15_165_696
     assert vca_attention_macs(deit_t, 49, exact_prefix=True) == 15_165_696 + 2 * 1 * 197 * 192
+    assert vca_attention_macs(deit_t, 49, local_window=7) == 15_165_696 + 2 * 196 * (1 + 49) * 192
+    local = attention_macs("vca", deit_t, VCAConfig(local_window=7))
+    assert local == attention_macs("vca", deit_t, VCAConfig()) + 3_763_200
     big = AttentionShape(1, (28, 28), 192, 3)
     assert softmax_attention_macs(big) == 236_630_400
 

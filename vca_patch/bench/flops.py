@@ -6,6 +6,7 @@ Counted in MACs (one multiply + one add); FLOPs = 2 × MACs. Per block with N to
     softmax attention         2·N²·C            (q·kᵀ and A·v)
     VCA (SDPA form)           8·n·N·C + 9·H·W·C (Stage I 4nNC, Stage II 4nNC, depthwise 3×3 conv)
                               + 2·P·N·C when prefix tokens read all N keys exactly
+                              + 2·H·W·(P + k²)·C with the k×k local term (neighbourhood attention)
 
 Norms, softmax exponentials, pooling and the head are ignored (O(N·C) or O(C²)). The paper's
 7·n·N·C counts Stage II's value product over n instead of the 2n stacked tokens that the single
@@ -64,13 +65,21 @@ def softmax_attention_macs(shape: AttentionShape, config: Any = None) -> float:
 
 
 def vca_attention_macs(
-    shape: AttentionShape, contrast_tokens: int, *, sdpa: bool = True, exact_prefix: bool = False
+    shape: AttentionShape,
+    contrast_tokens: int,
+    *,
+    sdpa: bool = True,
+    exact_prefix: bool = False,
+    local_window: int = 0,
 ) -> float:
-    """8·n·N·C + 9·H·W·C (7·n·N·C with sdpa=False), plus 2·P·N·C for an exact prefix read-out."""
+    """8·n·N·C + 9·H·W·C (7·n·N·C with sdpa=False), plus 2·P·N·C for an exact prefix read-out and
+    2·H·W·(P + k²)·C for a local term of k = local_window (each patch's logits and values over P + k² keys)."""
     N, C, n = shape.num_tokens, shape.dim, contrast_tokens
     macs = (8.0 if sdpa else 7.0) * n * N * C + 9.0 * shape.num_patches * C
     if exact_prefix:
         macs += 2.0 * shape.num_prefix_tokens * N * C
+    if local_window:
+        macs += 2.0 * shape.num_patches * (shape.num_prefix_tokens + local_window**2) * C
     return macs
 
 
@@ -78,7 +87,7 @@ def vca_attention_macs(
 def _vca_from_config(shape: AttentionShape, config: Any) -> float:
     n = getattr(config, "contrast_tokens", 49)
     exact = getattr(config, "prefix_readout", "contrast") == "exact"
-    return vca_attention_macs(shape, n, exact_prefix=exact)
+    return vca_attention_macs(shape, n, exact_prefix=exact, local_window=getattr(config, "local_window", 0))
 
 
 @dataclass(frozen=True)
