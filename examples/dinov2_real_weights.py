@@ -20,7 +20,8 @@
    calibration photos plus the ~100 photos of Debian's wallpaper and OpenCV sample packages, fetched once with
    apt-get and cached; or any folder of your own; --augment photometric also jitters, greys and blurs them), its
    step count set from --minutes by timing one training step (or fixed by --steps)
-   (a plan with merging or MANO blocks is training-free: not recovered);
+   (a plan with merging or MANO blocks is training-free: not recovered); then also the weights halfway from the
+   calibrated start to the recovered end (`interpolated_state`, WiSE-FT; --interpolate T moves the point, 1: off);
 5. measure, on held-out photos never calibrated or trained on (`benchmarks/real_weights.py`'s measures): CLS and
    per-patch-token cosine to the original, a Fashion-MNIST linear probe (own, and the original's probe on the
    converted features: a drop-in replacement keeps >= 99% of its accuracy), the batch-1 CPU latency ratio at 224 and
@@ -72,6 +73,7 @@ from vca_patch.real_weights.photos import (
 from vca_patch.real_weights.probe import LinearProbe
 from vca_patch.recovery import calibrate
 from vca_patch.train.engine import make_accelerator, run_recipe
+from vca_patch.train.interpolate import interpolated_state
 from vca_patch.train.objective import RecoveryObjective
 from vca_patch.train.optim import stage_optimizer
 from vca_patch.train.recipe import Recipe, load_recipe
@@ -101,6 +103,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=7,
         help="VCAConfig(local_window=K): each patch also attends to its K x K neighbours (7; 0: off)",
     )
+    parser.add_argument("--interpolate", type=float, default=0.5,
+                        help="also measure the weights t of the way from the calibrated start to the recovery's end "
+                             "(WiSE-FT; default 0.5; 1: only the end)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="~1 minute in all: 112 px, few images")
     parser.add_argument("--size", type=int, help="calibration / training / evaluation resolution (224; quick 112)")
     parser.add_argument("--calibration", type=int, help=f"calibration crops, at most {MAX_CALIBRATION} (64; quick 8)")
@@ -151,6 +156,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--eval-crops must be >= 0 and --batch-size >= 1")
     if not is_local_window(args.local_window):
         parser.error(f"--local-window must be 0 (off) or odd (3, 5, 7, ...), got {args.local_window}")
+    if not 0 <= args.interpolate <= 1:
+        parser.error(f"--interpolate must be in [0, 1], got {args.interpolate}")
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.train_crops is not None and args.train_crops < 1:
@@ -239,6 +246,14 @@ def recover(
     return result.model.cpu().eval(), record
 
 
+def interpolate(calibrated: nn.Module, recovered: nn.Module, t: float) -> nn.Module:
+    """A copy of `recovered` with the weights t of the way from the calibrated start to it (WiSE-FT)."""
+    model = copy.deepcopy(recovered)
+    model.load_state_dict(interpolated_state(calibrated.state_dict(), recovered.state_dict(), t))
+    log(f"interpolated: t = {t:g} of the way from the calibrated start to the recovered end")
+    return model.eval()
+
+
 def planned(original: nn.Module, images: torch.Tensor, args: argparse.Namespace) -> PlanResult:
     """The plan `vca-patch plan` chooses for `args.plan_budget` at `args.size` (VCA calibrated on alternate crops,
     scored on the others); SystemExit with the planner's reason when no plan fits."""
@@ -291,6 +306,9 @@ def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
     if chosen is None or (chosen.vca_layers and not chosen.mano_layers and not any(chosen.schedule)):
         models["recovered"], recovery = recover(models["calibrated"], original, args, output, photos)
         log(f"recovered in {recovery['seconds']:.0f} s")
+        if args.interpolate < 1:
+            models["interpolated"] = interpolate(models["calibrated"], models["recovered"], args.interpolate)
+            recovery["interpolation"] = args.interpolate
     else:
         log(f"recover: skipped, {recovery['skipped']}")
     original.cpu().eval()
@@ -351,6 +369,8 @@ def markdown(result: dict[str, Any]) -> str:
         if "skipped" not in rec
         else f"no recovery ({rec['skipped']})"
     )
+    if "interpolation" in rec:
+        recovery += f"; interpolated: t = {rec['interpolation']:g} of the way from calibrated to recovered"
     planning = "" if plan is None else f"plan for {plan['budget']:g}x on {s['plan_images']} crops: {plan['plan']}; "
     lines += ["", (
         f"{planning}{result['evaluation_images']} held-out images at {s['size']} px; {calibration}, {recovery}, "

@@ -42,17 +42,17 @@ def example():
 
 
 @pytest.mark.slow  # ~30-40 s alone, minutes on a loaded machine: `pytest -m slow` runs it
-def test_quick_run_prints_the_four_rows_and_writes_them(example, tmp_path, capsys):
+def test_quick_run_prints_the_five_rows_and_writes_them(example, tmp_path, capsys):
     result = example.main(["--quick", "--minutes", "0.15", "--output", str(tmp_path)])
     rows = {r["name"]: r for r in result["results"]}
-    assert list(rows) == ["original", "converted", "calibrated", "recovered"]
+    assert list(rows) == ["original", "converted", "calibrated", "recovered", "interpolated"]
     assert rows["original"]["cls_cosine"] == pytest.approx(1.0) and rows["original"]["latency_ratio"] == 1.0
     # the original's own probe and its probe applied to its own features are the same probe on the same features
     assert rows["original"]["probe_own"] == rows["original"]["probe_original"] > 0.3  # 10 classes: chance is 0.1
     assert rows["original"]["probe_original_share"] == 1.0
-    for name in ("converted", "calibrated", "recovered"):
+    for name in ("converted", "calibrated", "recovered", "interpolated"):
         assert 0 <= rows[name]["probe_original"] <= 1 and 0 <= rows[name]["probe_own"] <= 1
-    for name in ("converted", "calibrated", "recovered"):
+    for name in ("converted", "calibrated", "recovered", "interpolated"):
         assert 0 < rows[name]["cls_cosine"] < 1 and 0 < rows[name]["patch_token_cosine"] < 1
         assert rows[name]["latency_ratio"] > 0
     # calibration helps on real weights (measured 0.68 -> 0.93 CLS, 0.48 -> 0.89 patch tokens at 112 px, 8 crops)
@@ -61,6 +61,9 @@ def test_quick_run_prints_the_four_rows_and_writes_them(example, tmp_path, capsy
     # the recipe engine really trained: it took the budgeted steps and moved the weights off the calibrated ones
     assert result["recovery"]["steps"] >= 1 and result["recovery"]["recipe"] == "dinov2_small"
     assert rows["recovered"]["cls_cosine"] != rows["calibrated"]["cls_cosine"]
+    # halfway from the calibrated weights to the recovered ones (WiSE-FT's default)
+    assert result["recovery"]["interpolation"] == 0.5
+    assert rows["interpolated"]["cls_cosine"] not in (rows["calibrated"]["cls_cosine"], rows["recovered"]["cls_cosine"])
     # the fit to other crops of the training photos is measured for every model, and printed
     assert rows["original"]["train_photos_cls_cosine"] == pytest.approx(1.0)
     assert 0 < rows["recovered"]["train_photos_patch_token_cosine"] < 1
@@ -115,7 +118,8 @@ def test_planned_run_converts_with_the_plan_it_prints(example, monkeypatch, caps
     [(["--calibration", "65"], "in \\[1, 64\\]"), (["--size", "100"], "multiple"), (["--minutes", "0"], "minutes"),
      (["--plan-budget", "1.0"], "keeps the original"), (["--plan-images", "1"], "plan-images"),
      (["--steps", "0"], "--steps must be >= 1"), (["--augment", "colour"], "invalid choice"),
-     (["--local-window", "4"], "--local-window must be 0 \\(off\\) or odd")],
+     (["--local-window", "4"], "--local-window must be 0 \\(off\\) or odd"),
+     (["--interpolate", "1.5"], "--interpolate must be in \\[0, 1\\]")],
 )  # fmt: skip
 def test_bad_arguments_are_refused_before_any_work(example, argv, match, capsys):
     with pytest.raises(SystemExit):
