@@ -14,7 +14,7 @@ import vca_patch
 from tests.helpers_real_weights import load_dinov2_or_skip, quick_cosines
 from tests.reference_vca import reference_vca
 from tests.test_vca_attention import _randomised
-from vca_patch.attention import TokenLayout, VisualContrastAttention, fused_cpu
+from vca_patch.attention import TokenLayout, VisualContrastAttention, fused_cpu, neighbourhood
 from vca_patch.attention.neighbourhood import neighbourhood_attention
 from vca_patch.config import ConfigError, VCAConfig
 from vca_patch.recovery import calibrate
@@ -63,14 +63,16 @@ def test_matches_the_float64_loop_reference(kernel, prefix, grid):
     assert float((0.9 * expected - expected).abs().max()) > 100 * 2e-6
 
 
+@pytest.mark.parametrize("path", [neighbourhood._blocked_attention, neighbourhood._dense_attention])
 @pytest.mark.parametrize(("prefix", "grid", "kernel"), [(1, (17, 10), 5), (0, (9, 9), 7), (2, (3, 19), 3)])
-def test_grids_of_several_query_blocks_and_their_gradients_match_the_loop_reference(prefix, grid, kernel):
-    """Grids wider and taller than one 8×8 query block, with ragged edges: the halos, their masks and the
-    padding rows, forward and backward (the training path), against the float64 loop reference."""
+def test_both_sdpa_paths_and_their_gradients_match_the_loop_reference(path, prefix, grid, kernel):
+    """The query-block path on grids wider and taller than one 8×8 block, with ragged edges (the halos, their masks
+    and the padding rows), and the dense path, forward and backward (the training path), against the float64 loop
+    reference."""
     q, k, v = (t.requires_grad_() for t in _qkv(prefix, grid, seed=2))
     layout = TokenLayout(prefix, grid)
     expected = _loop_reference(q, k, v, prefix, grid, kernel, 0.35)
-    got = neighbourhood_attention(q, k, v, layout, kernel, 0.35)
+    got = path(q, k, v, layout, kernel, 0.35)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)  # measured ~5e-15
     weights = torch.randn_like(expected)
     for grad_got, grad_expected in zip(
@@ -78,7 +80,13 @@ def test_grids_of_several_query_blocks_and_their_gradients_match_the_loop_refere
         torch.autograd.grad((expected * weights).sum(), (q, k, v)),
         strict=True,
     ):
-        torch.testing.assert_close(grad_got, grad_expected, rtol=0, atol=1e-12)  # measured ~7e-15
+        torch.testing.assert_close(grad_got, grad_expected, rtol=0, atol=1e-12)  # measured ~1e-14
+
+
+def test_dense_path_only_on_grids_where_it_computes_at_most_twice_the_blocks_logits():
+    dense = neighbourhood._dense_is_cheaper
+    assert dense(TokenLayout(1, (16, 16)), 7) and dense(TokenLayout(1, (16, 16)), 11)  # 224 px: 66k vs 50k / 83k
+    assert not dense(TokenLayout(1, (24, 24)), 7) and not dense(TokenLayout(1, (37, 37)), 11)  # 332k vs 113k ...
 
 
 def test_kernel_one_without_prefix_is_the_value_and_a_whole_grid_kernel_is_softmax_attention():
