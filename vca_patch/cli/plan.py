@@ -98,6 +98,13 @@ def plan(
     mano_windows: Annotated[
         str, typer.Option(help="MANO window sides k to try, e.g. '7' ('' or 'none': no MANO blocks)")
     ] = "7",
+    local_window: Annotated[
+        int,
+        typer.Option(
+            help="Give the VCA candidates a local term: each patch also attends exactly to its k×k neighbours "
+            "(odd k, e.g. 7; 0: none). Costs latency, buys fidelity; the plan weighs both"
+        ),
+    ] = 0,
     merge_fractions: Annotated[
         str, typer.Option(help="Fractions of the patch tokens merging may remove, e.g. '0.3,0.5,0.7,0.85,0.95'")
     ] = "0.3,0.5,0.7,0.85,0.95",
@@ -155,8 +162,8 @@ def plan(
         with console.status(f"Planning {model} at {resolution} px for {budget:g}x latency..."):
             result = plan_model(
                 net, calib, budget=budget, resolution=resolution, contrast_tokens=ns, mano_windows=ks,
-                merge_fractions=fractions, calibrate=calibrate, objective=objective, unmerge=unmerge, eval_images=held,
-                repeats=repeats, min_time=min_time, log=console.print,
+                local_window=local_window, merge_fractions=fractions, calibrate=calibrate, objective=objective,
+                unmerge=unmerge, eval_images=held, repeats=repeats, min_time=min_time, log=console.print,
             )  # fmt: skip
     except (PlanError, ConfigError) as exc:
         fail(str(exc), 2)

@@ -13,7 +13,9 @@ from .attention import MergingAttention
 from .block import MergeState, MergingForward, block_family
 
 # VCAConfig options a merge config passes to its VCA layers (contrast tokens are per layer, in vca_layers).
-_VCA_OPTIONS = {"softmax", "init", "rms_eps", "prefix_readout", "stage2_temperature", "token_magnitude"}
+_VCA_OPTIONS = {
+    "softmax", "init", "rms_eps", "prefix_readout", "stage2_temperature", "token_magnitude", "local_window",
+}  # fmt: skip
 # MANOConfig options a merge config passes to its MANO layers (the window is per layer, in mano_layers).
 _MANO_OPTIONS = {"rate", "levels", "down", "up", "init", "prefix", "pad"}
 _EXPECT_KEYS = ("depth", "dim", "num_heads")
@@ -55,7 +57,7 @@ class MergeConfig(TargetConfig):
         vca_layers: {block: contrast tokens n}: these blocks get VCA instead (see `vca`). VCA needs the patch grid,
             so every VCA block must come before the first block that merges (r > 0); anything else is refused.
         vca: VCAConfig options for those blocks (softmax, init, rms_eps, prefix_readout, stage2_temperature,
-            token_magnitude).
+            token_magnitude, local_window).
         mano_layers: {block: window k}: these blocks get Multipole Attention (MANO) instead (see `mano`); like VCA,
             only before the first block that merges, and never a block that is in vca_layers too.
         mano: MANOConfig options for those blocks (rate, levels, down, up, init, prefix, pad).

@@ -43,9 +43,12 @@ def plan_macs(
     schedule: Sequence[int],
     vca_layers: dict[int, int],
     mano_layers: dict[int, int] | None = None,
+    *,
+    local_window: int = 0,
 ) -> float:
-    """MACs of the blocks (FLOP model of bench/flops.py: 2·N²·C softmax, VCA's linear count, MANO's count of
-    attention/mano_macs.py with the default MANOConfig at window k, token-wise Linears)."""
+    """MACs of the blocks (FLOP model of bench/flops.py: 2·N²·C softmax, VCA's linear count with its local term of
+    `local_window` when > 0, MANO's count of attention/mano_macs.py with the default MANOConfig at window k,
+    token-wise Linears)."""
     grid = info.grid(resolution)
     mano_layers = mano_layers or {}
     total = 0.0
@@ -53,7 +56,7 @@ def plan_macs(
         total += tokens * info.linear_macs_per_token
         if i in vca_layers:
             shape = AttentionShape(info.num_prefix_tokens, grid, info.dim, info.num_heads)
-            total += vca_attention_macs(shape, vca_layers[i], exact_prefix=True)
+            total += vca_attention_macs(shape, vca_layers[i], exact_prefix=True, local_window=local_window)
         elif i in mano_layers:
             total += mano_attention_macs(  # training-free MANO: U = 0, the coarse levels skipped
                 info.num_prefix_tokens, grid, info.dim, window=mano_layers[i], coarse=False
@@ -67,9 +70,9 @@ def plan_macs(
 class LatencyTable:
     """Measured batch-1 seconds: one softmax block at several token counts, one VCA block per n and one MANO block
     per window k at the full grid, the rest of the model (embedding, final norm), and the whole original model.
-    `merge_overhead_s`: what a merging block costs over a softmax block at each of those token counts (the bipartite
-    matching, the merge, proportional attention and undoing the merge at the unmerge); empty: not measured (no
-    overhead counted)."""
+    `local_window`: the VCA blocks were timed with that local term (0: none). `merge_overhead_s`: what a merging
+    block costs over a softmax block at each of those token counts (the bipartite matching, the merge, proportional
+    attention and undoing the merge at the unmerge); empty: not measured (no overhead counted)."""
 
     original_s: float
     other_s: float
@@ -78,6 +81,7 @@ class LatencyTable:
     vca_s: dict[int, float] = field(default_factory=dict)
     mano_s: dict[int, float] = field(default_factory=dict)
     merge_overhead_s: list[float] = field(default_factory=list)
+    local_window: int = 0
 
     def block_s(
         self, tokens: int, contrast_tokens: int | None = None, window: int | None = None, merges: bool = False
@@ -118,6 +122,7 @@ class LatencyTable:
             "other_ms": 1e3 * self.other_s,
             "softmax_block_ms": {t: 1e3 * s for t, s in zip(self.softmax_tokens, self.softmax_s, strict=True)},
             "vca_block_ms": {n: 1e3 * s for n, s in self.vca_s.items()},
+            "vca_local_window": self.local_window,
             "mano_block_ms": {k: 1e3 * s for k, s in self.mano_s.items()},
             "merge_overhead_ms": {t: 1e3 * s for t, s in zip(self.softmax_tokens, self.merge_overhead_s, strict=False)},
         }
@@ -134,10 +139,11 @@ def measure_latency_table(
     repeats: int = 3,
     unmerge: str = "copy",
     min_time: float = 0.0,
+    local_window: int = 0,
 ) -> LatencyTable:
     """Time the original model, its first block at a few token counts (softmax, and merging one token with
-    `unmerge`: the matching's overhead) and that block as VCA(n) and as MANO(k) at the full grid; each `repeats`
-    times at least, and until it has `min_time` seconds timed."""
+    `unmerge`: the matching's overhead) and that block as VCA(n) (with a local term of `local_window` when > 0) and
+    as MANO(k) at the full grid; each `repeats` times at least, and until it has `min_time` seconds timed."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     full = info.tokens(resolution)
@@ -153,7 +159,8 @@ def measure_latency_table(
     # (config of a converted twin, {timing name: input of its first block}); merging one token, timed at every
     # token count, costs the matching's overhead alone
     converted: list[tuple[TargetConfig, dict[str, torch.Tensor]]] = [
-        (VCAConfig(contrast_tokens=n, layers=[0]), {f"vca:{n}": x_full}) for n in contrast_tokens
+        (VCAConfig(contrast_tokens=n, layers=[0], local_window=local_window), {f"vca:{n}": x_full})
+        for n in contrast_tokens
     ]
     converted += [(MANOConfig(window=k, layers=[0]), {f"mano:{k}": x_full}) for k in mano_windows]
     merging = MergeConfig(schedule=[1] + [0] * (info.depth - 1), unmerge=unmerge)
@@ -180,5 +187,5 @@ def measure_latency_table(
     overhead = [max(0.0, seconds[f"merge:{t}"] - s) for t, s in zip(counts, softmax, strict=True)]
     return LatencyTable(
         seconds["original"], other, counts, softmax, {n: seconds[f"vca:{n}"] for n in contrast_tokens},
-        {k: seconds[f"mano:{k}"] for k in mano_windows}, overhead,
+        {k: seconds[f"mano:{k}"] for k in mano_windows}, overhead, local_window,
     )  # fmt: skip

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..attention.neighbourhood import is_local_window
 from ..merging import MergeConfig
 from ..merging.config import UNMERGE_MODES
 from ..real_weights.measure import fidelity, latency, tokens
@@ -87,13 +88,21 @@ class PlanResult:
         }
 
 
+def _plan_vca_options(candidate: Candidate, calibrate: bool) -> dict[str, Any]:
+    """The VCAConfig options of a plan's VCA blocks: token magnitude when calibrated, and its local term."""
+    if not candidate.vca_layers:
+        return {}
+    options: dict[str, Any] = {"token_magnitude": True} if calibrate else {}
+    return {**options, "local_window": candidate.local_window} if candidate.local_window else options
+
+
 def plan_config(candidate: Candidate, info: ModelInfo, *, calibrate: bool = True, unmerge: str = "copy") -> MergeConfig:
     """The MergeConfig that applies `candidate` (and refuses other models)."""
     return MergeConfig(
         schedule=list(candidate.schedule),
         vca_layers=dict(candidate.vca_layers) or None,
         mano_layers=dict(candidate.mano_layers) or None,
-        vca={"token_magnitude": True} if calibrate and candidate.vca_layers else {},
+        vca=_plan_vca_options(candidate, calibrate),
         expect=info.expect(),
         unmerge=unmerge,
     )
@@ -275,6 +284,7 @@ def plan_model(
     merge_starts: Sequence[int] | None = None,
     merge_fractions: Sequence[float] = DEFAULT_MERGE_FRACTIONS,
     mano_windows: Sequence[int] = DEFAULT_MANO_WINDOWS,
+    local_window: int = 0,
     calibrate: bool = True,
     objective: str = "both",
     unmerge: str = "auto",
@@ -288,7 +298,9 @@ def plan_model(
 
     `images` (calibration, [B, 3, resolution, resolution]) measure each candidate's loss and calibrate VCA;
     the chosen plan is then applied to a copy and measured on `eval_images` (default: `images`). `contrast_tokens`
-    (VCA n) and `mano_windows` (MANO k) are the per-block options besides softmax; empty: not an option. A MANO
+    (VCA n) and `mano_windows` (MANO k) are the per-block options besides softmax; empty: not an option. VCA blocks
+    carry a local term of window `local_window` when > 0 (odd: `VCAConfig.local_window`; timed and measured with it,
+    so the search weighs its cost and its fidelity). A MANO
     window whose measured block is not faster than a softmax block at the full grid is timed only (the search could
     never pick it), so its sensitivity is not measured. `unmerge` (MergeConfig's "copy" or "residual", or "auto":
     `planned_unmerge`) is how merged tokens return at the end; merging is timed and measured with it. Every timing
@@ -306,6 +318,8 @@ def plan_model(
         raise PlanError(f"merge fractions must lie in (0, 1), got {list(merge_fractions)}")
     if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in mano_windows):
         raise PlanError(f"MANO windows must be positive integers (window side k), got {list(mano_windows)}")
+    if not is_local_window(local_window):
+        raise PlanError(f"local_window must be 0 (none) or an odd window side (3, 5, 7, ...), got {local_window!r}")
     info = model_info(model)
     info.grid(resolution)
     starts = sorted(set(merge_starts if merge_starts is not None else range(0, info.depth, max(1, info.depth // 4))))
@@ -314,7 +328,7 @@ def plan_model(
     log(f"timing blocks at {resolution} px ({info.tokens(resolution)} tokens); merged tokens return by {unmerge}")
     table = measure_latency_table(
         model, info, resolution, contrast_tokens, mano_windows=mano_windows, repeats=repeats, unmerge=unmerge,
-        min_time=min_time,
+        min_time=min_time, local_window=local_window,
     )  # fmt: skip
     windows = table.faster_mano_windows()
     for k in sorted(set(mano_windows) - set(windows)):
@@ -323,7 +337,8 @@ def plan_model(
     log(f"measuring sensitivity on {len(images)} images")
     sens = measure_sensitivity(
         model, info, images, resolution, contrast_tokens=contrast_tokens, merge_starts=starts,
-        merge_fractions=merge_fractions, mano_windows=windows, calibrate=calibrate, unmerge=unmerge, log=log,
+        merge_fractions=merge_fractions, mano_windows=windows, calibrate=calibrate, unmerge=unmerge,
+        local_window=local_window, log=log,
     )  # fmt: skip
     cands = candidates(info, resolution, table, sens, objective)
     log("measuring the best predicted plans on the calibration images")

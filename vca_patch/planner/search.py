@@ -30,6 +30,7 @@ class Candidate:
     macs_ratio: float = 1.0  # FLOP model's ratio to the original
     cls: float = 1.0  # predicted CLS cosine
     patch: float = 1.0  # predicted mean patch-token cosine
+    local_window: int = field(default=0, kw_only=True)  # the VCA blocks' local term (0: none)
 
     def score(self, objective: str) -> float:
         return {"cls": self.cls, "patch": self.patch, "both": 0.5 * (self.cls + self.patch)}[objective]
@@ -42,7 +43,8 @@ class Candidate:
         merging = [(i, r) for i, r in enumerate(self.schedule) if r]
         parts = []
         if self.vca_layers:
-            parts.append("VCA " + ", ".join(f"{i}:n={n}" for i, n in sorted(self.vca_layers.items())))
+            local = f" (local {self.local_window}x{self.local_window})" if self.local_window else ""
+            parts.append(f"VCA{local} " + ", ".join(f"{i}:n={n}" for i, n in sorted(self.vca_layers.items())))
         if self.mano_layers:
             parts.append("MANO " + ", ".join(f"{i}:k={k}" for i, k in sorted(self.mano_layers.items())))
         if merging:
@@ -54,6 +56,7 @@ class Candidate:
             "schedule": self.schedule,
             "vca_layers": self.vca_layers,
             "mano_layers": self.mano_layers,
+            "local_window": self.local_window,
             "predicted_latency_ratio": self.latency,
             "macs_ratio": self.macs_ratio,
             "predicted_cls_cosine": self.cls,
@@ -78,9 +81,10 @@ def _candidate(info, resolution, table, sens, schedule, options: dict[int, Optio
         vca_layers=vca,
         mano_layers=mano,
         latency=table.ratio(info, resolution, schedule, vca, mano),
-        macs_ratio=plan_macs(info, resolution, schedule, vca, mano) / base_macs,
+        macs_ratio=plan_macs(info, resolution, schedule, vca, mano, local_window=sens.local_window) / base_macs,
         cls=1.0 - cls_loss,
         patch=1.0 - patch_loss,
+        local_window=sens.local_window if vca else 0,
     )
 
 
@@ -103,6 +107,11 @@ def candidates(
     """Every candidate plan the greedy search visits (the original included)."""
     if objective not in OBJECTIVES:
         raise PlanError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if sens.vca and table.local_window != sens.local_window:
+        raise PlanError(
+            f"the VCA blocks were timed with local_window={table.local_window} but measured with "
+            f"local_window={sens.local_window}: time and measure them with the same term"
+        )
     base_macs = plan_macs(info, resolution, [], {})
     options: list[Option] = [("vca", n) for n in sorted({n for _, n in sens.vca})]
     options += [("mano", k) for k in sorted({k for _, k in sens.mano})]

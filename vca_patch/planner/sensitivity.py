@@ -1,6 +1,7 @@
 """Per-layer sensitivity, measured on calibration images: the fidelity cost of each candidate change alone.
 
-* VCA(n) in one block (calibrated on the same images when `calibrate`), every other block softmax;
+* VCA(n) in one block (with a local term of window `local_window` when > 0; calibrated on the same images when
+  `calibrate`), every other block softmax;
 * MANO(k) in one block (window k, its preserving init: training-free), every other block softmax;
 * merging r tokens per block from block j to the last (the ToMe schedule, started at depth j).
 
@@ -38,11 +39,13 @@ class Loss:
 @dataclass
 class Sensitivity:
     """{(block, n): Loss} of VCA alone in one block; {(start, r): Loss} of merging r per block from `start` on;
-    {(block, k): Loss} of MANO with window k alone in one block."""
+    {(block, k): Loss} of MANO with window k alone in one block; `local_window`: the VCA blocks' local term (0: none).
+    """
 
     vca: dict[tuple[int, int], Loss] = field(default_factory=dict)
     merge: dict[tuple[int, int], Loss] = field(default_factory=dict)
     mano: dict[tuple[int, int], Loss] = field(default_factory=dict)
+    local_window: int = 0
 
     def of(self, kind: str) -> dict[tuple[int, int], Loss]:
         """The per-block losses of one attention kind: "vca" ({(block, n): Loss}) or "mano" ({(block, k): Loss})."""
@@ -51,6 +54,7 @@ class Sensitivity:
     def to_dict(self) -> dict:
         return {
             "vca": [{"block": b, "n": n, **loss.to_dict()} for (b, n), loss in sorted(self.vca.items())],
+            "vca_local_window": self.local_window,
             "merge": [{"start": j, "r": r, **loss.to_dict()} for (j, r), loss in sorted(self.merge.items())],
             "mano": [{"block": b, "window": k, **loss.to_dict()} for (b, k), loss in sorted(self.mano.items())],
         }
@@ -81,6 +85,7 @@ def measure_sensitivity(
     mano_windows: Sequence[int] = (),
     calibrate: bool = True,
     unmerge: str = "copy",
+    local_window: int = 0,
     log: Callable[[str], None] | None = None,
 ) -> Sensitivity:
     """Measure every candidate alone; the model is left unpatched as it came. With calibration, VCA blocks are
@@ -90,7 +95,7 @@ def measure_sensitivity(
     fit, images = split_for_measurement(images, calibrate)
     states = block_inputs(model, info, images)
     reference = model.get_submodule(info.norm_path)(states[-1])
-    result = Sensitivity()
+    result = Sensitivity(local_window=local_window)
     for start in merge_starts:
         for r in merge_rates(info, resolution, start, merge_fractions):
             patch_model(model, MergeConfig(schedule=[0] * start + [r] * (info.depth - start), unmerge=unmerge))
@@ -111,7 +116,8 @@ def measure_sensitivity(
             unpatch_model(model)
     for n in contrast_tokens:
         for block in range(info.depth):
-            patch_model(model, VCAConfig(contrast_tokens=n, layers=[block], token_magnitude=calibrate))
+            config = VCAConfig(contrast_tokens=n, layers=[block], token_magnitude=calibrate, local_window=local_window)
+            patch_model(model, config)
             try:
                 if calibrate:
                     with torch.enable_grad():
@@ -120,7 +126,10 @@ def measure_sensitivity(
             finally:
                 unpatch_model(model)
         alone = [round(1 - result.vca[(b, n)].cls, 4) for b in range(info.depth)]
-        log(f"  VCA n={n}: CLS cosine alone per block {alone}")
+        log(
+            f"  VCA n={n}{f' + local {local_window}x{local_window}' if local_window else ''}: CLS cosine alone "
+            f"per block {alone}"
+        )
     for k in mano_windows:
         for block in range(info.depth):
             patch_model(model, MANOConfig(window=k, layers=[block]))
