@@ -2,16 +2,18 @@
 
     python benchmarks/planner.py                     # 224 + 518 px, 8 calibration crops, 16 held-out images
     python benchmarks/planner.py --sizes 224 518 1036
+    python benchmarks/planner.py --local-window 7    # the planner's VCA blocks with the local term
     python benchmarks/planner.py --quick             # seconds: a tiny random-weight ViT (tests)
 
 For each size: token merging alone at several r (r per block from block 0), as ToMe has it (merged tokens copied
 back to their patches, "merge r=...") and with the residual unmerge ("residual r=...": each patch also gets back
 what merging took from it), and the planner's choice at each budget (`vca_patch.planner`: measured per-layer
 sensitivity + latency, VCA in the blocks before the first merge, calibrated on the calibration crops; its merging
-returns tokens by `--unmerge`, default auto: the residual unmerge unless `--objective cls`) are measured
+returns tokens by `--unmerge`, default auto: the residual unmerge unless `--objective cls`; `--local-window K`
+gives its VCA blocks the K×K local term, timed and measured with it) are measured
 on held-out photos (never calibrated on): CLS cosine, per-patch-token cosine and mean-patch cosine to the original,
 and the batch-1 CPU latency ratio, all models timed interleaved. Writes RESULTS/planner[_quick].json, .png and
-.md (also printed).
+.md (also printed); with --local-window K, planner[_quick]_localK.*.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 import vca_patch
+from vca_patch.attention.neighbourhood import is_local_window
 from vca_patch.io.atomic import atomic_write_text
 from vca_patch.merging import MergeConfig
 from vca_patch.planner import (
@@ -83,14 +86,14 @@ def run_size(model, calib, held, size: int, settings: dict, log) -> dict:
     unmerge = planned_unmerge(objective, settings["unmerge"])
     table = measure_latency_table(
         model, info, size, settings["ns"], mano_windows=mano_windows, repeats=repeats, unmerge=unmerge,
-        min_time=settings["min_time"] / 4,
+        min_time=settings["min_time"] / 4, local_window=settings["local_window"],
     )  # fmt: skip
     windows = table.faster_mano_windows()  # as `plan_model`: a MANO block slower than softmax could never be chosen
     log(f"  MANO windows faster than a softmax block here: {windows} of {mano_windows}")
     starts = sorted(set(range(0, info.depth, max(1, info.depth // 4))))
     sens = measure_sensitivity(
         model, info, calib, size, contrast_tokens=settings["ns"], merge_starts=starts, merge_fractions=MERGE_FRACTIONS,
-        mano_windows=windows, unmerge=unmerge, log=log,
+        mano_windows=windows, unmerge=unmerge, local_window=settings["local_window"], log=log,
     )  # fmt: skip
     cands = candidates(info, size, table, sens, objective)
     plan_seconds = time.perf_counter() - started
@@ -199,9 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mano-windows", type=int, nargs="*", default=None, help="MANO windows k (default 7)")
     parser.add_argument("--unmerge", choices=PLAN_UNMERGE_MODES, default="auto", help="the planner's unmerge")
     parser.add_argument("--objective", choices=OBJECTIVES, default="both", help="what the planner keeps")
+    parser.add_argument("--local-window", type=int, default=0, help="the planner's VCA local term k (0: none)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for the JSON / PNG / MD")
     args = parser.parse_args(argv)
+    if not is_local_window(args.local_window):
+        parser.error(f"--local-window must be 0 or odd, got {args.local_window}")
     settings = dict(QUICK if args.quick else FULL, unmerge=args.unmerge, objective=args.objective)
+    settings["local_window"] = args.local_window
     if args.budgets:
         settings["budgets"] = args.budgets
     for key in ("calibration", "eval_crops", "ns", "mano_windows"):
@@ -229,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model, calib, held = _real(size, settings["calibration"], settings["eval_crops"])
         results["sizes"][str(size)] = run_size(model, calib, held, size, settings, log)
-    stem = "planner_quick" if args.quick else "planner"
+    stem = ("planner_quick" if args.quick else "planner") + (f"_local{args.local_window}" if args.local_window else "")
     atomic_write_text(args.results / f"{stem}.json", json.dumps(results, indent=2) + "\n")
     plot(results, args.results / f"{stem}.png")
     table = markdown(results)

@@ -151,3 +151,25 @@ def test_cli_plan_takes_a_local_window_and_refuses_an_even_one(tmp_path):
     assert data["latency_table"]["vca_local_window"] == 3
     if data["config"]["vca_layers"]:
         assert data["config"]["vca"]["local_window"] == 3
+
+
+def test_planner_benchmark_quick_mode_with_the_term(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("planner_bench", Path(__file__).parents[1] / "benchmarks/planner.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(SystemExit) as refused:
+        bench.main(["--quick", "--local-window", "4", "--results", str(tmp_path)])
+    assert refused.value.code == 2 and not list(tmp_path.iterdir())
+    assert bench.main(["--quick", "--threads", "1", "--local-window", "3", "--results", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "planner_quick_local3.json").read_text())
+    assert results["settings"]["local_window"] == 3
+    size = results["sizes"]["56"]
+    assert size["latency_table"]["vca_local_window"] == size["sensitivity"]["vca_local_window"] == 3
+    assert len(size["sensitivity"]["vca"]) == 4  # VCA(4) with the term, measured in each of the 4 blocks
+    for name, row in size["rows"].items():  # at 56 px the plans it picks are usually merging-only
+        if row["config"]["vca_layers"]:
+            assert row["config"]["vca"]["local_window"] == 3 and "local 3x3" in name
+    assert (tmp_path / "planner_quick_local3.md").exists()
