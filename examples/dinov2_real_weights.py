@@ -12,9 +12,11 @@
    the local term: each patch also attends to its 7×7 neighbours; --local-window 0 leaves it out), or, with
    --plan-budget B, the plan `vca-patch plan` would choose for B x the original's latency at --size (softmax, VCA(n),
    MANO(k) and token merging per block; planned on the first --plan-images calibration crops);
-3. calibrate, training-free: `calibrate(model, batches, grow_tokens=0.4)` on at most 64 unlabelled crops of the
-   calibration photos (the local term's mix is fitted with the depthwise conv; layers whose error stays above 0.4
-   get more contrast tokens; a plan's VCA blocks are calibrated without growing);
+3. calibrate, training-free: `calibrate(model, batches, grow_tokens=0.4)` on at most 64 unlabelled crops, half of
+   them of the 11 calibration photos and half of the other recovery photos (--calibration-photos calibration: all
+   of the 11; a plan, which does not recover, uses the 11 alone; the local term's mix is fitted with the depthwise
+   conv; layers whose error stays above 0.4 get more contrast tokens; a plan's VCA blocks are calibrated without
+   growing);
 4. recover: `recipes/dinov2_small.yaml` (end-to-end feature distillation from the frozen original, mixup/cutmix)
    run by the recipe engine on fresh random crops of unlabelled training photos (--train-images: by default the
    calibration photos plus the ~100 photos of Debian's wallpaper and OpenCV sample packages, fetched once with
@@ -109,6 +111,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="~1 minute in all: 112 px, few images")
     parser.add_argument("--size", type=int, help="calibration / training / evaluation resolution (224; quick 112)")
     parser.add_argument("--calibration", type=int, help=f"calibration crops, at most {MAX_CALIBRATION} (64; quick 8)")
+    parser.add_argument("--calibration-photos", choices=("mixed", "calibration"), default="mixed",
+                        help="calibration crops of: 'mixed' (half the 11 calibration photos, half the other "
+                             "recovery photos; default) or 'calibration' (the 11; also without others)")  # fmt: skip
     parser.add_argument("--train-images", default=None,
                         help="recovery photos: 'packages' (the calibration photos + Debian's photo packages, "
                              "fetched once; the default), 'calibration' (only the 11 calibration photos; quick's "
@@ -198,6 +203,18 @@ def seconds_per_step(student: nn.Module, teacher: nn.Module, recipe: Recipe, cro
     return min(times[1:]) * 1.1  # + the optimizer step and the loop's bookkeeping
 
 
+def calibration_crops(count: int, size: int, photos: dict[str, torch.Tensor] | None, seed: int) -> torch.Tensor:
+    """`count` calibration crops [count, 3, size, size]: half of them of the 11 calibration photos and half of the
+    other recovery `photos`, shuffled; all of the calibration photos when there are no others (or `photos` is None)."""
+    others = {name: photo for name, photo in (photos or {}).items() if name not in CALIBRATION_PHOTOS}
+    if not others or count < 2:
+        return calibration_images(count, size, seed=seed + 1)
+    crops = PhotoCrops(others, size, count // 2, seed=seed + 1)
+    other_crops = torch.stack([crops[i][0] for i in range(count // 2)])
+    mixed = torch.cat([calibration_images(count - count // 2, size, seed=seed + 1), other_crops])
+    return mixed[torch.randperm(count, generator=torch.Generator().manual_seed(seed))]
+
+
 def training_photos(source: str) -> dict[str, torch.Tensor]:
     """The recovery photos of --train-images: 'calibration', 'packages' (calibration + Debian photo packages) or a
     folder; SystemExit saying what to do when they cannot be had."""
@@ -275,11 +292,12 @@ def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     original = load_dinov2_small("transformers")
     evaluation = evaluation_images(args.size, args.eval_crops, seed=args.seed)
-    calib = calibration_images(args.calibration, args.size, seed=args.seed + 1)
-    log(f"{len(evaluation)} held-out images, {len(calib)} calibration crops of {len(CALIBRATION_PHOTOS)} photos")
-    reference = tokens(original, evaluation, 16)
     # without a plan the run recovers: fetch (or refuse) its training photos now, not after calibrating
     photos = training_photos(args.train_images) if args.plan_budget is None else None
+    mixed = photos if args.calibration_photos == "mixed" else None
+    calib = calibration_crops(args.calibration, args.size, mixed, seed=args.seed)
+    log(f"{len(evaluation)} held-out images, {len(calib)} calibration crops")
+    reference = tokens(original, evaluation, 16)
 
     plan = planned(original, calib[: args.plan_images], args) if args.plan_budget is not None else None
     chosen = plan.chosen if plan is not None else None
@@ -362,7 +380,10 @@ def markdown(result: dict[str, Any]) -> str:
                                                  for size in result["latency_sizes"])]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     s, rec, plan = result["settings"], result["recovery"], result["plan"]
-    calibration = "no calibration" if "skipped" in result["calibration"] else f"calibration on {s['calibration']} crops"
+    calibration = (
+        "no calibration" if "skipped" in result["calibration"]
+        else f"calibration on {s['calibration']} crops ({s.get('calibration_photos', 'calibration')} photos)"
+    )  # fmt: skip
     recovery = (
         f"recovery {rec['steps']} steps x {rec['batch']} of {rec['crops']} crops of {rec['photos']} photos "
         f"(augment: {rec['augment']}; {rec['seconds'] / 60:.1f} min)"
