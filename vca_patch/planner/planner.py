@@ -300,11 +300,11 @@ def plan_model(
     the chosen plan is then applied to a copy and measured on `eval_images` (default: `images`). `contrast_tokens`
     (VCA n) and `mano_windows` (MANO k) are the per-block options besides softmax; empty: not an option. VCA blocks
     carry a local term of window `local_window` when > 0 (odd: `VCAConfig.local_window`; timed and measured with it,
-    so the search weighs its cost and its fidelity). A MANO
-    window whose measured block is not faster than a softmax block at the full grid is timed only (the search could
-    never pick it), so its sensitivity is not measured. `unmerge` (MergeConfig's "copy" or "residual", or "auto":
-    `planned_unmerge`) is how merged tokens return at the end; merging is timed and measured with it. Every timing
-    runs `repeats` rounds at least and until it has `min_time` seconds (batch-1 times of a few ms are noisy).
+    so the search weighs its cost and its fidelity). A MANO window whose measured block is not faster than a softmax
+    block at the full grid is timed only (the search could never pick it), so its sensitivity is not measured.
+    `unmerge` (MergeConfig's "copy" or "residual", or "auto": `planned_unmerge`) is how merged tokens return at the
+    end; merging is timed and measured with it. Every timing runs `repeats` rounds at least and until it has
+    `min_time` seconds (batch-1 times of a few ms are noisy).
     """
     log = log or (lambda message: None)
     if objective not in OBJECTIVES:
