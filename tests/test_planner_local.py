@@ -13,6 +13,7 @@ from tests.test_planner import RES, _image_folder, _info, _synthetic, _tiny
 from vca_patch import patch_model, unpatch_model
 from vca_patch.attention import VisualContrastAttention
 from vca_patch.cli.app import app
+from vca_patch.config import VCAConfig
 from vca_patch.planner import (
     Candidate,
     PlanError,
@@ -67,7 +68,7 @@ def test_the_latency_table_times_vca_blocks_with_the_term(monkeypatch):
 
     monkeypatch.setattr(costs_module, "patch_model", recording)
     table = measure_latency_table(model, model_info(model), RES, [4], repeats=1, local_window=3)
-    assert [c.local_window for c in seen if type(c).__name__ == "VCAConfig"] == [3]
+    assert [c.local_window for c in seen if isinstance(c, VCAConfig)] == [3]
     assert table.local_window == 3 and table.vca_s[4] > 0 and table.to_dict()["vca_local_window"] == 3
 
 
