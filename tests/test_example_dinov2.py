@@ -76,15 +76,16 @@ def test_quick_run_prints_the_five_rows_and_writes_them(example, tmp_path, capsy
 
 
 def _proportional_latency(
-    model, info, resolution, contrast_tokens, *, mano_windows=(), repeats=3, unmerge="copy", min_time=0.0
-):
+    model, info, resolution, contrast_tokens, *, mano_windows=(), repeats=3, unmerge="copy", min_time=0.0,
+    local_window=0,
+):  # fmt: skip
     """A block's time proportional to its tokens, VCA and MANO blocks slower than softmax: the plan then depends on
     the measured fidelity alone, not on this machine's speed."""
     block = 0.01
     return LatencyTable(
         original_s=info.depth * block, other_s=0.0, softmax_tokens=[1, info.tokens(resolution)],
         softmax_s=[block / info.tokens(resolution), block], vca_s=dict.fromkeys(contrast_tokens, 2 * block),
-        mano_s=dict.fromkeys(mano_windows, 2 * block),
+        mano_s=dict.fromkeys(mano_windows, 2 * block), local_window=local_window,
     )  # fmt: skip
 
 
