@@ -296,7 +296,8 @@ def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
     photos = training_photos(args.train_images) if args.plan_budget is None else None
     mixed = photos if args.calibration_photos == "mixed" else None
     calib = calibration_crops(args.calibration, args.size, mixed, seed=args.seed)
-    log(f"{len(evaluation)} held-out images, {len(calib)} calibration crops")
+    calibration_photos = "mixed" if set(mixed or ()) - set(CALIBRATION_PHOTOS) else "calibration"  # what it had
+    log(f"{len(evaluation)} held-out images, {len(calib)} calibration crops ({calibration_photos} photos)")
     reference = tokens(original, evaluation, 16)
 
     plan = planned(original, calib[: args.plan_images], args) if args.plan_budget is not None else None
@@ -316,7 +317,7 @@ def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
             calibrated, [calib[i : i + 16] for i in range(0, len(calib), 16)], grow_tokens=None if chosen else 0.4
         )
         models["calibrated"] = calibrated.eval()
-        calibration = {"seconds": time.perf_counter() - start, "grown": report.grown,
+        calibration = {"seconds": time.perf_counter() - start, "grown": report.grown, "photos": calibration_photos,
                        "contrast_tokens": [layer.contrast_tokens for layer in report.layers]}  # fmt: skip
         log(f"calibrated in {calibration['seconds']:.0f} s (grown: {report.grown or 'none'})")
 
@@ -382,7 +383,8 @@ def markdown(result: dict[str, Any]) -> str:
     s, rec, plan = result["settings"], result["recovery"], result["plan"]
     calibration = (
         "no calibration" if "skipped" in result["calibration"]
-        else f"calibration on {s['calibration']} crops ({s.get('calibration_photos', 'calibration')} photos)"
+        else f"calibration on {s['calibration']} crops "
+        f"({result['calibration'].get('photos', s.get('calibration_photos', 'calibration'))} photos)"
     )  # fmt: skip
     recovery = (
         f"recovery {rec['steps']} steps x {rec['batch']} of {rec['crops']} crops of {rec['photos']} photos "

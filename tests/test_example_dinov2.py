@@ -72,6 +72,8 @@ def test_quick_run_prints_the_five_rows_and_writes_them(example, tmp_path, capsy
     table = (tmp_path / "table.md").read_text()
     assert table.startswith("| model | CLS cos") and table in capsys.readouterr().out
     assert "other crops of the training photos" in table and "recovered 0." in table
+    # --quick trains on the 11 calibration photos alone, so the default 'mixed' calibration has only those
+    assert result["calibration"]["photos"] == "calibration" and "8 crops (calibration photos)" in table
     assert json.loads((tmp_path / "results.json").read_text())["results"] == result["results"]
 
 
