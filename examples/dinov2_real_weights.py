@@ -203,16 +203,19 @@ def seconds_per_step(student: nn.Module, teacher: nn.Module, recipe: Recipe, cro
     return min(times[1:]) * 1.1  # + the optimizer step and the loop's bookkeeping
 
 
-def calibration_crops(count: int, size: int, photos: dict[str, torch.Tensor] | None, seed: int) -> torch.Tensor:
-    """`count` calibration crops [count, 3, size, size]: half of them of the 11 calibration photos and half of the
-    other recovery `photos`, shuffled; all of the calibration photos when there are no others (or `photos` is None)."""
+def calibration_crops(
+    count: int, size: int, photos: dict[str, torch.Tensor] | None, seed: int
+) -> tuple[torch.Tensor, str]:
+    """`count` calibration crops [count, 3, size, size] and what they are of: "mixed" (half of them of the 11
+    calibration photos and half of the other recovery `photos`, shuffled) or "calibration" (all of the 11: when
+    there are no other photos, or `photos` is None)."""
     others = {name: photo for name, photo in (photos or {}).items() if name not in CALIBRATION_PHOTOS}
     if not others or count < 2:
-        return calibration_images(count, size, seed=seed + 1)
+        return calibration_images(count, size, seed=seed + 1), "calibration"
     crops = PhotoCrops(others, size, count // 2, seed=seed + 1)
     other_crops = torch.stack([crops[i][0] for i in range(count // 2)])
     mixed = torch.cat([calibration_images(count - count // 2, size, seed=seed + 1), other_crops])
-    return mixed[torch.randperm(count, generator=torch.Generator().manual_seed(seed))]
+    return mixed[torch.randperm(count, generator=torch.Generator().manual_seed(seed))], "mixed"
 
 
 def training_photos(source: str) -> dict[str, torch.Tensor]:
@@ -295,8 +298,7 @@ def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
     # without a plan the run recovers: fetch (or refuse) its training photos now, not after calibrating
     photos = training_photos(args.train_images) if args.plan_budget is None else None
     mixed = photos if args.calibration_photos == "mixed" else None
-    calib = calibration_crops(args.calibration, args.size, mixed, seed=args.seed)
-    calibration_photos = "mixed" if set(mixed or ()) - set(CALIBRATION_PHOTOS) else "calibration"  # what it had
+    calib, calibration_photos = calibration_crops(args.calibration, args.size, mixed, seed=args.seed)
     log(f"{len(evaluation)} held-out images, {len(calib)} calibration crops ({calibration_photos} photos)")
     reference = tokens(original, evaluation, 16)
 

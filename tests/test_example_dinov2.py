@@ -152,16 +152,18 @@ def test_calibration_crops_mix_the_calibration_photos_with_the_other_recovery_ph
     own = example.training_photos("calibration")
     # plain-colour photos: every crop of one is flat, every crop of a calibration photo is not
     others = {f"plain{i}": torch.full((3, 70, 90), 0.1 * (i + 1)) for i in range(5)}
-    mixed = example.calibration_crops(8, 56, {**own, **others}, seed=0)
-    assert mixed.shape == (8, 3, 56, 56) and torch.equal(mixed, example.calibration_crops(8, 56, {**own, **others}, 0))
+    mixed, source = example.calibration_crops(8, 56, {**own, **others}, seed=0)
+    assert mixed.shape == (8, 3, 56, 56) and source == "mixed"
+    assert torch.equal(mixed, example.calibration_crops(8, 56, {**own, **others}, 0)[0])
     flat = mixed.flatten(2).std(dim=2).amax(dim=1) < 1e-5  # [8]: no channel varies
     assert flat.sum().item() == 4
     expected = calibration_images(4, 56, seed=1)  # the other half: the calibration photos' crops, in some order
     found = [next((j for j, e in enumerate(expected) if torch.equal(crop, e)), -1) for crop in mixed[~flat]]
     assert sorted(found) == [0, 1, 2, 3]
     alone = calibration_images(8, 56, seed=1)  # no other photos (or none given): the 11 calibration photos alone
-    assert torch.equal(example.calibration_crops(8, 56, own, seed=0), alone)
-    assert torch.equal(example.calibration_crops(8, 56, None, seed=0), alone)
+    for photos in (own, None):
+        crops, source = example.calibration_crops(8, 56, photos, seed=0)
+        assert torch.equal(crops, alone) and source == "calibration"
     assert example.parse([]).calibration_photos == "mixed"
 
 
