@@ -52,6 +52,9 @@ def test_quick_run_prints_the_five_rows_and_writes_them(example, tmp_path, capsy
     assert rows["original"]["probe_original_share"] == 1.0
     for name in ("converted", "calibrated", "recovered", "interpolated"):
         assert 0 <= rows[name]["probe_original"] <= 1 and 0 <= rows[name]["probe_own"] <= 1
+        share = rows[name]["probe_original"] / rows["original"]["probe_original"]
+        assert rows[name]["probe_original_share"] == pytest.approx(share) and rows[name]["probe_original_share_se"] >= 0
+        assert 0 <= rows[name]["probe_agreement"] <= 1
     for name in ("converted", "calibrated", "recovered", "interpolated"):
         assert 0 < rows[name]["cls_cosine"] < 1 and 0 < rows[name]["patch_token_cosine"] < 1
         assert rows[name]["latency_ratio"] > 0

@@ -1,7 +1,9 @@
 """A downstream check for head-less backbones: a Fashion-MNIST linear probe on [CLS, mean patch] features.
 
 Two accuracies per converted model: a probe trained on its own features ("own": is the information still there?)
-and the original's probe applied to its features ("original's": is it a drop-in replacement?).
+and the original's probe applied to its features ("original's": is it a drop-in replacement?). The original's probe
+is scored on the same test images for both models, so its share of the original's accuracy has a paired standard
+error, far below either accuracy's binomial one, and the share of test images it classes alike on both is reported.
 """
 
 from __future__ import annotations
@@ -45,6 +47,19 @@ def fit_probe(features: np.ndarray, labels: np.ndarray) -> Any:
     return make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000, C=0.1)).fit(features, labels)
 
 
+def paired_share(correct: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
+    """(accuracy share, its standard error) of per-image correctness `correct` against `reference` on the same images:
+    mean(correct) / mean(reference), and the paired difference's standard error over mean(reference)."""
+    if correct.shape != reference.shape or correct.ndim != 1 or len(correct) < 2:
+        raise ValueError(f"need two per-image correctness vectors of one length >= 2, got {correct.shape}, "
+                         f"{reference.shape}")  # fmt: skip
+    base = float(reference.mean())
+    if base == 0:
+        raise ValueError("the reference gets no test image right: a share of its accuracy is undefined")
+    difference = correct.astype(np.float64) - reference.astype(np.float64)
+    return float(correct.mean()) / base, float(difference.std(ddof=1) / np.sqrt(len(difference))) / base
+
+
 @dataclass
 class LinearProbe:
     """The original's probe and the data, to score converted models against it (`LinearProbe.fit`, `score`)."""
@@ -55,26 +70,44 @@ class LinearProbe:
     batch: int
     original: Any = None
     accuracy: float = 0.0
+    predictions: np.ndarray | None = None  # the original's probe on the original's test features [test]
 
     @classmethod
     def fit(cls, original: nn.Module, train: int, test: int, size: int, batch: int = 16) -> LinearProbe:
         """Train the original's probe on `train` Fashion-MNIST training images; `accuracy` on `test` test images."""
         probe = cls(fashion_mnist_images("train", train), fashion_mnist_images("test", test), size, batch)
         probe.original = fit_probe(probe_features(original, probe.train[0], size, batch), probe.train[1].numpy())
-        test_features = probe_features(original, probe.test[0], size, batch)
-        probe.accuracy = float(probe.original.score(test_features, probe.test[1].numpy()))
+        probe.predictions = probe.original.predict(probe_features(original, probe.test[0], size, batch))
+        probe.accuracy = float((probe.predictions == probe.test[1].numpy()).mean())
         return probe
 
     def original_scores(self) -> dict[str, float]:
         """`score` of the original itself, without another pass: both probes are its probe on its own features."""
-        return {"probe_own": self.accuracy, "probe_original": self.accuracy}
+        return {"probe_own": self.accuracy, "probe_original": self.accuracy, "probe_original_share": 1.0,
+                "probe_original_share_se": 0.0, "probe_agreement": 1.0}  # fmt: skip
 
     def score(self, model: nn.Module) -> dict[str, float]:
-        """{"probe_own": a probe trained on `model`'s features, "probe_original": the original's probe on them}."""
+        """{"probe_own": a probe trained on `model`'s features, "probe_original": the original's probe on them,
+        "probe_original_share" (>= 0.99: a drop-in replacement) and its paired "probe_original_share_se",
+        "probe_agreement": the share of test images the original's probe classes alike on both models' features}."""
         own_train = probe_features(model, self.train[0], self.size, self.batch)
         own_test = probe_features(model, self.test[0], self.size, self.batch)
         labels = self.test[1].numpy()
+        predictions = self.original.predict(own_test)
+        share, share_se = paired_share(predictions == labels, self.predictions == labels)
         return {
             "probe_own": float(fit_probe(own_train, self.train[1].numpy()).score(own_test, labels)),
-            "probe_original": float(self.original.score(own_test, labels)),
+            "probe_original": float((predictions == labels).mean()),
+            "probe_original_share": share,
+            "probe_original_share_se": share_se,
+            "probe_agreement": float((predictions == self.predictions).mean()),
         }
+
+
+def original_probe_cell(row: dict[str, Any]) -> str:
+    """A table cell for the original's probe on a model's features: its accuracy and, for a converted model, the
+    share of the original's accuracy it keeps ± the paired standard error (older results without one: accuracy)."""
+    if "probe_original_share_se" not in row or row["probe_original_share_se"] == 0:
+        return f"{row['probe_original']:.3f}"
+    share, share_se = 100 * row["probe_original_share"], 100 * row["probe_original_share_se"]
+    return f"{row['probe_original']:.3f} ({share:.1f} ± {share_se:.1f}%)"
