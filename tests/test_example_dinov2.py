@@ -43,7 +43,7 @@ def example():
 
 @pytest.mark.slow  # ~30-40 s alone, minutes on a loaded machine: `pytest -m slow` runs it
 def test_quick_run_prints_the_five_rows_and_writes_them(example, tmp_path, capsys):
-    result = example.main(["--quick", "--minutes", "0.15", "--output", str(tmp_path)])
+    result = example.main(["--quick", "--minutes", "0.15", "--domain-images", "4", "--output", str(tmp_path)])
     rows = {r["name"]: r for r in result["results"]}
     assert list(rows) == ["original", "converted", "calibrated", "recovered", "interpolated"]
     assert rows["original"]["cls_cosine"] == pytest.approx(1.0) and rows["original"]["latency_ratio"] == 1.0
@@ -75,8 +75,9 @@ def test_quick_run_prints_the_five_rows_and_writes_them(example, tmp_path, capsy
     table = (tmp_path / "table.md").read_text()
     assert table.startswith("| model | CLS cos") and table in capsys.readouterr().out
     assert "other crops of the training photos" in table and "recovered 0." in table
-    # --quick trains on the 11 calibration photos alone, so the default 'mixed' calibration has only those
-    assert result["calibration"]["photos"] == "calibration" and "8 crops (calibration photos)" in table
+    # --quick trains on the 11 calibration photos, here with 4 Fashion-MNIST images: the calibration crops mix them
+    assert result["calibration"]["photos"] == "mixed" and "8 crops (mixed photos)" in table
+    assert result["recovery"]["photos"] == 15 and "of 11 photos and 4 Fashion-MNIST images" in table
     assert json.loads((tmp_path / "results.json").read_text())["results"] == result["results"]
 
 
@@ -125,7 +126,9 @@ def test_planned_run_converts_with_the_plan_it_prints(example, monkeypatch, caps
      (["--plan-budget", "1.0"], "keeps the original"), (["--plan-images", "1"], "plan-images"),
      (["--steps", "0"], "--steps must be >= 1"), (["--augment", "colour"], "invalid choice"),
      (["--local-window", "4"], "--local-window must be 0 \\(off\\) or odd"),
-     (["--interpolate", "1.5"], "--interpolate must be in \\[0, 1\\]")],
+     (["--interpolate", "1.5"], "--interpolate must be in \\[0, 1\\]"),
+     (["--domain-images", "-1"], "--domain-images must be >= 0"),
+     (["--domain-images", "8", "--plan-budget", "0.5"], "0 with --plan-budget")],
 )  # fmt: skip
 def test_bad_arguments_are_refused_before_any_work(example, argv, match, capsys):
     with pytest.raises(SystemExit):

@@ -11,7 +11,14 @@ import torch
 from torch import nn
 
 from vca_patch.data.fashion_mnist import DEFAULT_ROOT
-from vca_patch.real_weights.probe import LinearProbe, original_probe_cell, paired_share, probe_features
+from vca_patch.real_weights.probe import (
+    LinearProbe,
+    domain_photos,
+    fashion_mnist_images,
+    original_probe_cell,
+    paired_share,
+    probe_features,
+)
 
 
 def test_paired_share_against_a_hand_computation():
@@ -78,3 +85,16 @@ def test_probe_scores_a_copy_as_the_original_and_a_perturbed_model_by_its_own_pr
     assert scores["probe_original"] == pytest.approx((predictions == labels).mean())
     assert scores["probe_original_share"] == pytest.approx(scores["probe_original"] / probe.accuracy)
     assert scores["probe_original_share_se"] > 0
+
+
+@pytest.mark.skipif(not DEFAULT_ROOT.is_dir(), reason="Fashion-MNIST not installed (apt-get dataset-fashion-mnist)")
+def test_domain_photos_are_the_training_images_after_the_probes_as_grey_rgb():
+    photos = domain_photos(3, skip=5)
+    assert list(photos) == [f"fashion-mnist-train-{i:05d}" for i in (5, 6, 7)]  # not the probe's first 5
+    images = fashion_mnist_images("train", 8)[0]
+    for i, photo in enumerate(photos.values()):
+        assert photo.shape == (3, 28, 28) and torch.equal(photo, images[5 + i].expand(3, -1, -1))
+    with pytest.raises(ValueError, match="count >= 1"):
+        domain_photos(0, skip=5)
+    with pytest.raises(ValueError, match="fewer than"):
+        domain_photos(10, skip=59_995)

@@ -26,6 +26,17 @@ def fashion_mnist_images(split: str, count: int) -> tuple[torch.Tensor, torch.Te
     return load_fashion_mnist(split, limit=count, img_size=28, normalize=False).tensors
 
 
+def domain_photos(count: int, skip: int) -> dict[str, torch.Tensor]:
+    """`count` unlabelled Fashion-MNIST training images after the first `skip` (the probe's), as 28 px RGB "photos"
+    {name: [3, 28, 28] in [0, 1]} for `PhotoCrops`: the probe's domain, for distilling on it without its labels."""
+    if count < 1 or skip < 0:
+        raise ValueError(f"need count >= 1 and skip >= 0, got count={count}, skip={skip}")
+    images = fashion_mnist_images("train", skip + count)[0][skip:]
+    if len(images) < count:
+        raise ValueError(f"Fashion-MNIST has {skip + len(images)} training images, fewer than {skip} + {count}")
+    return {f"fashion-mnist-train-{skip + i:05d}": image.expand(3, -1, -1).clone() for i, image in enumerate(images)}
+
+
 @torch.no_grad()
 def probe_features(model: nn.Module, images: torch.Tensor, size: int, batch: int) -> np.ndarray:
     """[CLS, mean patch] features [N, 2C] of grey 28 px images upsampled to `size` px and ImageNet-normalised."""
