@@ -98,10 +98,54 @@ def transfer_loss(
     return (torch.stack(errors) / ref_sums.clamp_min(1e-12)).mean()
 
 
+class RunningStandardizer:
+    """The teacher's per-channel mean and std of final tokens [B, T, C], token 0 (CLS) and tokens 1: apart, pooled
+    over every batch seen so far (Chan's parallel update, float64); `__call__` standardises features with them.
+
+    Plain tensors, not buffers: they are no part of the student's state dict or checkpoints (a resumed stage
+    estimates them again). Under DDP each process pools its own batches.
+    """
+
+    def __init__(self, eps: float = 1e-6) -> None:
+        self.eps = eps
+        self.count = torch.zeros(2, dtype=torch.float64)
+        self.mean: torch.Tensor | None = None  # [2, C]
+        self.m2: torch.Tensor | None = None  # [2, C]: sums of squared deviations
+
+    @torch.no_grad()
+    def update(self, features: torch.Tensor) -> None:
+        if features.ndim != 3 or features.shape[1] < 2:
+            raise ValueError(f"standardized features need [B, tokens >= 2, C], got {tuple(features.shape)}")
+        f = features.detach().to(torch.float64)
+        if self.mean is None:
+            self.count = self.count.to(f.device)
+            self.mean, self.m2 = f.new_zeros(2, f.shape[-1]), f.new_zeros(2, f.shape[-1])
+        for i, group in enumerate((f[:, 0], f[:, 1:].reshape(-1, f.shape[-1]))):
+            n, mean = group.shape[0], group.mean(0)
+            delta, total = mean - self.mean[i], self.count[i] + n
+            self.m2[i] += ((group - mean) ** 2).sum(0) + delta**2 * self.count[i] * n / total
+            self.mean[i] += delta * n / total
+            self.count[i] = total
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        """`features` [B, T, C] standardised per channel (in float64, then float32): [B, T, C]."""
+        if self.mean is None:
+            raise RuntimeError("RunningStandardizer: update it with the teacher's features first")
+        std = (self.m2 / (self.count[:, None] - 1).clamp_min(1)).sqrt().clamp_min(self.eps)  # [2, C]
+        index = (torch.arange(features.shape[1], device=features.device) > 0).long()  # [T]: 0 for token 0, else 1
+        return ((features.double() - self.mean[index]) / std[index]).float()  # float64: a large mean, a small std
+
+
 def distill_loss(
-    student: nn.Module, teacher: nn.Module, x: torch.Tensor, y: torch.Tensor | None, stage: StageSpec
+    student: nn.Module,
+    teacher: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+    stage: StageSpec,
+    standardizer: RunningStandardizer | None = None,
 ) -> torch.Tensor:
-    """KL(teacher ‖ student) on logits at temperature T (+ label cross-entropy), or feature cosine without a head."""
+    """KL(teacher ‖ student) on logits at temperature T (+ label cross-entropy), or feature cosine without a head
+    (of standardised features when `standardizer` is given: updated with this batch's teacher features first)."""
     with torch.no_grad():
         t_feat, t_logits = features_and_logits(teacher, x)
     s_feat, s_logits = features_and_logits(student, x)
@@ -118,6 +162,9 @@ def distill_loss(
             ce = torch.sum(-target * F.log_softmax(s_logits.float(), -1), dim=-1).mean()
             loss = loss + stage.label_weight * ce
         return loss
+    if standardizer is not None:
+        standardizer.update(t_feat)
+        s_feat, t_feat = standardizer(s_feat), standardizer(t_feat)
     cos = F.cosine_similarity(s_feat.float(), t_feat.float(), dim=-1)  # no head: prefix token 0 and patch tokens
     return (1 - cos).mean()
 
@@ -143,6 +190,7 @@ class RecoveryObjective(nn.Module):
         self.stage = stage
         self.across = across  # mean over processes (None: one process)
         self.diffusion = diffusion  # the recipe's DiffusionSpec (distill_diffusion stages)
+        self.standardizer = RunningStandardizer() if stage.feature_space == "standardized" else None
         object.__setattr__(self, "teacher", teacher)
 
     def forward(self, x: torch.Tensor, y: Any = None) -> torch.Tensor:
@@ -157,7 +205,7 @@ class RecoveryObjective(nn.Module):
 StageLoss = Callable[[RecoveryObjective, torch.Tensor, Any], torch.Tensor]
 STAGE_LOSSES: dict[str, StageLoss] = {
     "attention_transfer": lambda o, x, y: transfer_loss(o.student, o.teacher, x, o.across),
-    "distill": lambda o, x, y: distill_loss(o.student, o.teacher, x, y, o.stage),
+    "distill": lambda o, x, y: distill_loss(o.student, o.teacher, x, y, o.stage, o.standardizer),
 }
 
 

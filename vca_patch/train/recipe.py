@@ -74,6 +74,10 @@ class StageSpec:
     attention-output, teacher-prediction and own-objective losses per the recipe's `diffusion` section).
     lr: the new VCA parameters; lambda_lr: the λ vectors; carried_lr: q/k/v/proj (0 = frozen);
     rest_lr: everything outside attention (distill only; 0 = frozen).
+    feature_space: what a head-less "distill" stage's feature cosine compares: "raw" final tokens, or
+    "standardized": each channel centred and scaled by the teacher's running mean and std (token 0 and the
+    other tokens apart), so every channel counts as a linear probe on standardised features sees it, not
+    mostly the few large ones shared by all images.
     target_state: settings of the patch target switched at this stage's start and kept by later stages until one
     changes them (JSON-safe; the target's `apply_stage_state` validates them, e.g. DIDB's
     {"weights": false, "activations": true}); empty: leave the target as it is.
@@ -91,6 +95,7 @@ class StageSpec:
     min_lr_ratio: float = 0.01
     kd_temperature: float = 1.0
     label_weight: float = 0.0
+    feature_space: Literal["raw", "standardized"] = "raw"
     calibration_images: int = 256
     target_state: dict[str, Any] = field(default_factory=dict)
 
