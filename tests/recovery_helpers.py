@@ -49,6 +49,17 @@ def trained_tiny_vit() -> torch.nn.Module:
     return model.eval()
 
 
+def head_less_pair() -> tuple[torch.nn.Module, torch.nn.Module, torch.utils.data.TensorDataset]:
+    """(teacher, VCA student, 32 random 32 px images with unused labels): a head-less ViT for feature distillation."""
+    import vca_patch
+
+    torch.manual_seed(0)
+    teacher = timm.create_model(ARCH, pretrained=False, num_classes=0, img_size=32, patch_size=8)
+    model = copy.deepcopy(teacher)
+    vca_patch.patch_model(model, vca_patch.VCAConfig(contrast_tokens=4))
+    return teacher, model, torch.utils.data.TensorDataset(torch.randn(32, 3, 32, 32), torch.zeros(32, dtype=torch.long))
+
+
 def probe_images(n: int = 64, split: str = "test") -> torch.Tensor:
     return load_fashion_mnist(split, limit=n).tensors[0]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import socket
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 import vca_patch
-from tests.recovery_helpers import TINY_ARGS, needs_fashion_mnist, probe_images, trained_tiny_vit
+from tests.recovery_helpers import TINY_ARGS, head_less_pair, needs_fashion_mnist, probe_images, trained_tiny_vit
 from vca_patch.fidelity import fidelity
 from vca_patch.io.checkpoint import read_checkpoint_config
 from vca_patch.recovery import calibrate
@@ -177,14 +176,8 @@ def test_two_cpu_processes_match_one_process_with_the_same_global_batch(tmp_path
 
 def test_head_less_distill_with_mixup_and_cutmix_trains(tmp_path):
     """A backbone without a classifier (features distilled, labels unused) takes the recipe's mixup/cutmix too."""
-    timm = pytest.importorskip("timm")
-    torch.manual_seed(0)
-    teacher = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, img_size=32, patch_size=8)
-    model = copy.deepcopy(teacher)
-    vca_patch.patch_model(model, vca_patch.VCAConfig(contrast_tokens=4))
+    teacher, model, train = head_less_pair()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    images = torch.randn(32, 3, 32, 32)
-    train = torch.utils.data.TensorDataset(images, torch.zeros(32, dtype=torch.long))
     spec = recipe_from_dict({
         "name": "headless", "data": {"kind": "imagefolder", "path": "unused", "mixup": 1.0, "cutmix": 1.0},
         "train": {"batch_size": 8, "eval_every": 100, "checkpoint_every": 100, "eval_images": 8},

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 
 import numpy as np
@@ -10,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import vca_patch
+from tests.recovery_helpers import head_less_pair
 from vca_patch.train import recipe_from_dict, run_recipe
 from vca_patch.train.objective import RecoveryObjective, RunningStandardizer, distill_loss
 from vca_patch.train.recipe import RecipeError, StageSpec
@@ -93,13 +92,7 @@ def test_stage_field_validates_and_the_objective_uses_it(tmp_path):
 
 
 def test_head_less_standardized_distill_trains(tmp_path):
-    timm = pytest.importorskip("timm")
-    torch.manual_seed(0)
-    teacher = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, img_size=32, patch_size=8)
-    model = copy.deepcopy(teacher)
-    vca_patch.patch_model(model, vca_patch.VCAConfig(contrast_tokens=4))
-    images = torch.randn(32, 3, 32, 32)
-    train = torch.utils.data.TensorDataset(images, torch.zeros(32, dtype=torch.long))
+    teacher, model, train = head_less_pair()
     spec = recipe_from_dict({
         "name": "headless", "data": {"kind": "imagefolder", "path": "unused"},
         "train": {"batch_size": 8, "eval_every": 2, "checkpoint_every": 100, "eval_images": 8},
