@@ -105,10 +105,11 @@ class LinearProbe:
         own_test = probe_features(model, self.test[0], self.size, self.batch)
         labels = self.test[1].numpy()
         predictions = self.original.predict(own_test)
-        share, share_se = paired_share(predictions == labels, self.predictions == labels)
+        correct = predictions == labels  # [test]
+        share, share_se = paired_share(correct, self.predictions == labels)
         return {
             "probe_own": float(fit_probe(own_train, self.train[1].numpy()).score(own_test, labels)),
-            "probe_original": float((predictions == labels).mean()),
+            "probe_original": float(correct.mean()),
             "probe_original_share": share,
             "probe_original_share_se": share_se,
             "probe_agreement": float((predictions == self.predictions).mean()),
