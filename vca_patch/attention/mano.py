@@ -30,6 +30,7 @@ from torch import nn
 from .carried import CarriedAttentionLayer, CarriedLayerOptions
 from .layout import TokenLayout, grid_to_tokens
 from .multipole_levels import Level, plan_levels, vcycle_weights
+from .sdpa import scaled_dot_product_attention
 from .windows import pad_grid, window_key_mask, window_merge, window_partition
 
 if TYPE_CHECKING:
@@ -167,7 +168,7 @@ class MultipoleAttention(CarriedAttentionLayer):
             pk, pv = (t.reshape(B * M, 1, P, d).expand(-1, nW, -1, -1) for t in prefix_kv)
             kw, vw = torch.cat([kw, pk], dim=2), torch.cat([vw, pv], dim=2)  # [B*M, nW, kh*kw + P, d]
         mask = window_key_mask((H, W), padded, window, P, device=q.device)  # [nW, 1, kh*kw + P] or None
-        o = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=mask, scale=self.scale)  # [B*M, nW, kh*kw, d]
+        o = scaled_dot_product_attention(qw, kw, vw, attn_mask=mask, scale=self.scale)  # [B*M, nW, kh*kw, d]
         o = window_merge(o, padded, window)[:, :H, :W]  # [B*M, H, W, d]
         return o.reshape(B, M, H * W, d)
 
@@ -198,7 +199,7 @@ class MultipoleAttention(CarriedAttentionLayer):
         prefix_kv = (k[:, :, :P], v[:, :, :P]) if P and self.prefix == "global" else None
         o = self._window_attention(q[:, :, P:], k[:, :, P:], v[:, :, P:], levels[0], prefix_kv)  # [B, M, H*W, d]
         if P:
-            o = torch.cat([F.scaled_dot_product_attention(q[:, :, :P], k, v, scale=self.scale), o], dim=2)
+            o = torch.cat([scaled_dot_product_attention(q[:, :, :P], k, v, scale=self.scale), o], dim=2)
         y = self._project(o, x)  # [B, N, C']
         if len(levels) == 1 or self.coarse_levels_vanish():
             return self.proj_drop(y)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from . import fused_cpu
 from .layout import TokenLayout
+from .sdpa import scaled_dot_product_attention
 
 BLOCK = 8  # query blocks of BLOCK × BLOCK patches (8: fastest of 8 and 16 at 16×16 and 37×37 grids, k = 7)
 
@@ -72,7 +73,7 @@ def _dense_attention(
     cols = torch.arange(W, device=q.device).repeat(H)
     near = ((rows[:, None] - rows[None]).abs() <= r) & ((cols[:, None] - cols[None]).abs() <= r)  # [H·W, H·W]
     mask = torch.cat([near.new_ones(H * W, P), near], dim=1)  # [H·W, N]
-    return F.scaled_dot_product_attention(q[:, :, P:], k, v, attn_mask=mask, scale=scale)
+    return scaled_dot_product_attention(q[:, :, P:], k, v, attn_mask=mask, scale=scale)
 
 
 def _query_block_mask(layout: TokenLayout, kernel: int, device: torch.device) -> torch.Tensor:
@@ -124,6 +125,6 @@ def _blocked_attention(
     queries = F.pad(grid(q), (0, 0, 0, pad_w, 0, pad_h)).view(B, M, Hb, b, Wb, b, d)
     queries = queries.permute(0, 2, 4, 1, 3, 5, 6).reshape(B, Hb * Wb, M, b * b, d)
     mask = _query_block_mask(layout, kernel, q.device)[:, None]  # [nb, 1, b², P + S²]
-    out = F.scaled_dot_product_attention(queries, halo(k), halo(v), attn_mask=mask, scale=scale)  # [B, nb, M, b², d]
+    out = scaled_dot_product_attention(queries, halo(k), halo(v), attn_mask=mask, scale=scale)  # [B, nb, M, b², d]
     out = out.view(B, Hb, Wb, M, b, b, d).permute(0, 3, 1, 4, 2, 5, 6).reshape(B, M, Hb * b, Wb * b, d)
     return out[:, :, :H, :W].reshape(B, M, H * W, d)

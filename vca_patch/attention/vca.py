@@ -39,6 +39,7 @@ from .grid_pool import adaptive_avg_pool_tokens
 from .layout import TokenLayout
 from .local_conv import add_conv_
 from .neighbourhood import is_local_window, neighbourhood_attention
+from .sdpa import scaled_dot_product_attention
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -414,7 +415,7 @@ class VisualContrastAttention(CarriedAttentionLayer):
         # Stage I: one SDPA call over all N tokens (prefix included) for the 2n contrast tokens and, under
         # exact read-out, the P prefix queries, whose plain-softmax output is final.
         queries = torch.cat([contrast, q[:, :, :exact]], dim=2) if exact else contrast  # [B, M, 2n+P', d]
-        u_pos, u_neg, prefix_out = F.scaled_dot_product_attention(queries, k, v, scale=self.scale).split(
+        u_pos, u_neg, prefix_out = scaled_dot_product_attention(queries, k, v, scale=self.scale).split(
             [n, n, exact], dim=2
         )
         # Each 2n-token tensor dies once used: below ~4 patches per contrast token they set the layer's peak.
@@ -432,11 +433,11 @@ class VisualContrastAttention(CarriedAttentionLayer):
             keys = keys * self.stage2_temperature.to(keys.dtype).view(1, -1, 1, 1)
         if self.softmax == "joint":
             # softmax over [t₊; t₋] with values [v̂; −λ₂v̂] equals (A₊ − λ₂A₋)·v̂.
-            o = F.scaled_dot_product_attention(q, keys, torch.cat([v_hat, -lambda2 * v_hat], dim=2), scale=self.scale)
+            o = scaled_dot_product_attention(q, keys, torch.cat([v_hat, -lambda2 * v_hat], dim=2), scale=self.scale)
         else:
             k_pos, k_neg = keys.split(n, dim=2)
-            o = F.scaled_dot_product_attention(q, k_pos, v_hat, scale=self.scale)
-            o = o - lambda2 * F.scaled_dot_product_attention(q, k_neg, v_hat, scale=self.scale)
+            o = scaled_dot_product_attention(q, k_pos, v_hat, scale=self.scale)
+            o = o - lambda2 * scaled_dot_product_attention(q, k_neg, v_hat, scale=self.scale)
         local = None
         if self.local_window:  # [B, M, H·W, d]
             if local_values is not None:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .carried import CarriedAttentionLayer
+from .sdpa import scaled_dot_product_attention
 
 _MAX_LOG_SCALE = math.log(100.0)  # SwinV2 clamps its logit scale at ln(1/0.01)
 
@@ -110,7 +111,7 @@ class CarriedWindowTerms(CarriedAttentionLayer):
             nW = mask.shape[0]
             bias = (bias + mask.to(bias.dtype).unsqueeze(1)).unsqueeze(0).expand(B_ // nW, -1, -1, -1, -1)
             bias = bias.reshape(B_, M, N, N)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=scale)
+        o = scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=scale)
         return self.proj_drop(self.proj(o.transpose(1, 2).reshape(B_, N, self.attn_dim)))
 
     def carried_members(self) -> dict:
