@@ -200,18 +200,25 @@ def budget_recipe(
     return replace(recipe, stages=[stage], train=train)
 
 
-def seconds_per_step(student: nn.Module, teacher: nn.Module, recipe: Recipe, crops: torch.Tensor) -> float:
-    """One training step's forward + backward of the recipe's own loss: the fastest of 2 after a warm-up (no update)."""
+def seconds_per_step(
+    student: nn.Module, teacher: nn.Module, recipe: Recipe, crops: torch.Tensor, accelerator: Any
+) -> float:
+    """One training step's forward + backward of the recipe's own loss as the engine runs it (train mode, the
+    accelerator's autocast): the fastest of 2 after a warm-up (no update)."""
     stage_optimizer(student, recipe.stages[-1])  # the stage's requires_grad flags: frozen groups cost no backward
     objective = RecoveryObjective(student, teacher, recipe.stages[-1])
     x = crops[: recipe.train.batch_size]
+    student.train()
     times = []
     for _ in range(3):
         start = time.perf_counter()
-        objective(x).backward()
+        with accelerator.autocast():
+            loss = objective(x)
+        loss.backward()
         times.append(time.perf_counter() - start)
     student.zero_grad(set_to_none=True)
-    return min(times[1:]) * 1.1  # + the optimizer step and the loop's bookkeeping
+    student.eval()
+    return min(times[1:]) * 1.05  # + the optimizer step and the loop's bookkeeping
 
 
 def calibration_crops(
@@ -260,7 +267,8 @@ def recover(
     student = copy.deepcopy(calibrated)
     accelerator = make_accelerator(recipe.train.mixed_precision, device=args.device)
     step = seconds_per_step(student.to(accelerator.device), original.to(accelerator.device),
-                            budget_recipe(recipe, 1.0, 1.0, batch), probe.to(accelerator.device))  # fmt: skip
+                            budget_recipe(recipe, 1.0, 1.0, batch), probe.to(accelerator.device),
+                            accelerator)  # fmt: skip
     recipe = budget_recipe(recipe, step, args.minutes, batch, args.steps)
     steps = recipe.stages[0].steps
     crops = args.train_crops or steps * batch * accelerator.num_processes  # one fresh crop per sample by default
