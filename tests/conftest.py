@@ -4,9 +4,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # CLI output is checked for whole phrases: one wide console width for every test, whatever the worker's stdout is
 # (tests of the 80-column layout and of the piped default set or clear COLUMNS themselves).
 os.environ.setdefault("COLUMNS", "200")
-# Recipes' "auto" precision stays float32 on every CPU, AMX or not (one precision per process for accelerate's state,
-# and figures that do not depend on the CPU model); tests/test_sdpa.py checks the AMX rule itself.
-os.environ.setdefault("VCA_PATCH_CPU_AUTO_BF16", "0")
 
 import pytest
 import torch

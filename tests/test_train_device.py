@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import vca_patch
 from tests.recovery_helpers import TINY_ARGS
 from vca_patch.cli.app import app
-from vca_patch.train import engine, make_accelerator, recipe_from_dict, run_recipe, teacher_from
+from vca_patch.train import make_accelerator, recipe_from_dict, run_recipe, teacher_from
 from vca_patch.train.engine import mixed_precision_mode
 
 RECIPE = {
@@ -103,22 +103,3 @@ def test_cli_finetune_checks_device_and_precision_first(tmp_path):
     bad_dtype = runner.invoke(app, [*args, "--device", "cpu", "--dtype", "fp16"])
     assert bad_dtype.exit_code == 2 and "fp16 mixed precision needs a CUDA GPU" in bad_dtype.output
     assert not (tmp_path / "o").exists()
-
-
-@pytest.mark.parametrize("amx", [True, False])
-def test_auto_precision_is_bf16_on_a_cpu_with_bf16_matrix_units(monkeypatch, fresh_accelerate_state, amx):
-    monkeypatch.setattr(engine, "cpu_has_bf16_matrix_units", lambda: amx)
-    monkeypatch.setenv(engine.CPU_AUTO_BF16_ENV, "1")
-    assert engine.make_accelerator("auto", device="cpu").mixed_precision == ("bf16" if amx else "no")
-
-
-def test_bf16_matrix_unit_detection_answers_a_bool():
-    assert isinstance(engine.cpu_has_bf16_matrix_units(), bool)
-
-
-def test_auto_precision_stays_float32_on_the_cpu_when_the_environment_says_so(monkeypatch):
-    monkeypatch.setattr(engine, "cpu_has_bf16_matrix_units", lambda: True)
-    monkeypatch.setenv(engine.CPU_AUTO_BF16_ENV, "0")
-    assert not engine._auto_bf16_on_cpu()
-    monkeypatch.setenv(engine.CPU_AUTO_BF16_ENV, "1")
-    assert engine._auto_bf16_on_cpu()

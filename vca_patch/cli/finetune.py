@@ -61,7 +61,7 @@ def finetune(
             "--mixed-precision",
             "--dtype",
             help="Autocast dtype: no (float32), bf16 (CPU too) or fp16 (CUDA); default: the recipe's "
-            "train.mixed_precision (auto: bf16 on a GPU that supports it or an AMX CPU). The weights stay float32.",
+            "train.mixed_precision (auto: bf16 on a GPU that supports it). The weights stay float32.",
         ),
     ] = None,
     cpu: Annotated[bool, typer.Option("--cpu", help="Same as --device cpu", hidden=True)] = False,

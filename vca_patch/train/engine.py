@@ -64,21 +64,6 @@ def mixed_precision_mode(value: str) -> str:
     return mode
 
 
-CPU_AUTO_BF16_ENV = "VCA_PATCH_CPU_AUTO_BF16"  # "0": "auto" stays float32 on every CPU (the tests set it)
-
-
-def cpu_has_bf16_matrix_units() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (Intel AMX tiles): there bf16 autocast runs a VCA
-    recovery step 1.34x as fast as float32 (`benchmarks/recovery_step.py`: DINOv2 ViT-S/14, 8 crops at 224 px, 2
-    cores); elsewhere bf16 is emulated and slower."""
-    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(is_amx()) if is_amx is not None else False
-
-
-def _auto_bf16_on_cpu() -> bool:
-    return os.environ.get(CPU_AUTO_BF16_ENV, "1") != "0" and cpu_has_bf16_matrix_units()
-
-
 def _use_cpu(device: str) -> bool:
     """Whether `device` means the CPU; selects GPU N for "cuda:N" (one process only)."""
     device = device.strip().lower()
@@ -111,9 +96,9 @@ def make_accelerator(
 
     device: "auto" (a CUDA GPU when there is one; under `accelerate launch`/torchrun each process's LOCAL_RANK
     GPU), "cpu", "cuda" or "cuda:N" (one process). `cpu=True` is the same as device="cpu".
-    mixed_precision: "auto" (bf16 on a GPU that supports it and on a CPU with bf16 matrix units, AMX, unless
-    $VCA_PATCH_CPU_AUTO_BF16 is 0; else full precision), "no", "bf16" (any CPU: slower than float32 without AMX)
-    or "fp16" (CUDA only, with a gradient scaler). The weights stay in their own dtype; forwards run under autocast.
+    mixed_precision: "auto" (bf16 on a GPU that supports it, else full precision), "no", "bf16" (CPU too)
+    or "fp16" (CUDA only, with a gradient scaler). The weights stay in their own dtype; forwards run under
+    autocast.
     """
     from accelerate import Accelerator, DistributedDataParallelKwargs
     from accelerate.utils import GradientAccumulationPlugin
@@ -121,8 +106,7 @@ def make_accelerator(
     use_cpu = True if cpu else _use_cpu(device)
     mode = mixed_precision_mode(mixed_precision)
     if mode == "auto":
-        fast_bf16 = _auto_bf16_on_cpu() if use_cpu else torch.cuda.is_bf16_supported()
-        mode = "bf16" if fast_bf16 else "no"
+        mode = "bf16" if (not use_cpu and torch.cuda.is_bf16_supported()) else "no"
     if mode == "fp16" and use_cpu:
         raise ValueError("fp16 mixed precision needs a CUDA GPU; on the CPU use bf16")
     return Accelerator(
