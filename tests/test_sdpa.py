@@ -50,7 +50,7 @@ def test_under_cpu_autocast_it_runs_in_float32_and_returns_bf16(mask_kind):
     reference, leaves = _reference(q, k, v, mask)
     error = (out.double() - reference).abs().max().item()
     # float32 attention rounded once to bf16: within one bf16 unit round-off (2^-8) of the output's size; measured
-    # 0.5 of it. A 10% error in the output exceeds this bound by far.
+    # 0.52-0.58 of it. A 10% error in the output exceeds this bound by far.
     bound = 2**-8 * reference.abs().max().item()
     assert error <= bound
     assert ((out.double() * 1.1 - reference).abs().max().item()) > bound
@@ -63,4 +63,4 @@ def test_under_cpu_autocast_it_runs_in_float32_and_returns_bf16(mask_kind):
     for mine, ref in zip((q, k, v), leaves, strict=True):
         assert mine.grad.dtype == torch.float32
         relative = ((mine.grad.double() - ref.grad).norm() / ref.grad.norm()).item()
-        assert relative < 2e-2, relative  # inputs rounded to bf16 by the surrounding autocast ops: measured ~4e-3
+        assert relative < 6e-3, relative  # the output's gradient arrives rounded to bf16: measured 1.7e-3
