@@ -1,7 +1,7 @@
 """Scaled dot-product attention for the layers: PyTorch's SDPA, run in float32 under CPU autocast.
 
 Under `torch.autocast("cpu", torch.bfloat16)` PyTorch runs SDPA in bf16, and the CPU flash kernel's bf16
-forward + backward is about 2x slower than its float32 one at the shapes of a VCA layer (8 crops of DINOv2
+forward + backward is 1.4-2x slower than its float32 one at the shapes of a VCA layer (8 crops of DINOv2
 ViT-S at 224 px, one thread: Stage I 67 -> 34 ms, Stage II 70 -> 33 ms, the 11x11 local term 87 -> 62 ms), while
 the linear layers around it gain from bf16. So on the CPU, under autocast, the attention itself runs in float32
 (also more precise) and returns autocast's dtype, as plain SDPA would; everywhere else this is plain SDPA.
