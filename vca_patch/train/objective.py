@@ -145,11 +145,17 @@ def distill_loss(
     standardizer: RunningStandardizer | None = None,
 ) -> torch.Tensor:
     """KL(teacher ‖ student) on logits at temperature T (+ label cross-entropy), or feature cosine without a head
-    (of standardised features when `standardizer` is given: updated with this batch's teacher features first)."""
+    (of standardised features when `standardizer` is given: updated with this batch's teacher features first;
+    token 0 weighs `stage.cls_weight` of it when set)."""
     with torch.no_grad():
         t_feat, t_logits = features_and_logits(teacher, x)
     s_feat, s_logits = features_and_logits(student, x)
     if t_logits is not None:
+        if stage.feature_space != "raw" or stage.cls_weight is not None:
+            raise ValueError(
+                f"stage {stage.name!r}: feature_space and cls_weight shape a head-less model's feature loss, but this "
+                "model has a classifier head, so distill compares its logits; drop them from the stage"
+            )
         T = stage.kd_temperature
         loss = F.kl_div(
             F.log_softmax(s_logits.float() / T, -1),
@@ -165,8 +171,10 @@ def distill_loss(
     if standardizer is not None:
         standardizer.update(t_feat)
         s_feat, t_feat = standardizer(s_feat), standardizer(t_feat)
-    cos = F.cosine_similarity(s_feat.float(), t_feat.float(), dim=-1)  # no head: prefix token 0 and patch tokens
-    return (1 - cos).mean()
+    cos = F.cosine_similarity(s_feat.float(), t_feat.float(), dim=-1)  # [B, T]: no head, token 0 and patch tokens
+    if stage.cls_weight is None or cos.shape[1] < 2:
+        return (1 - cos).mean()
+    return stage.cls_weight * (1 - cos[:, 0]).mean() + (1 - stage.cls_weight) * (1 - cos[:, 1:]).mean()
 
 
 class RecoveryObjective(nn.Module):

@@ -78,6 +78,8 @@ class StageSpec:
     "standardized": each channel centred and scaled by the teacher's running mean and std (token 0 and the
     other tokens apart), so every channel counts as a linear probe on standardised features sees it, not
     mostly the few large ones shared by all images.
+    cls_weight: token 0's share of a head-less "distill" stage's feature loss, the other tokens sharing the rest
+    alike (null: every token alike, so token 0 weighs 1/T of it: CLS fidelity then barely drives training).
     target_state: settings of the patch target switched at this stage's start and kept by later stages until one
     changes them (JSON-safe; the target's `apply_stage_state` validates them, e.g. DIDB's
     {"weights": false, "activations": true}); empty: leave the target as it is.
@@ -96,6 +98,7 @@ class StageSpec:
     kd_temperature: float = 1.0
     label_weight: float = 0.0
     feature_space: Literal["raw", "standardized"] = "raw"
+    cls_weight: float | None = None
     calibration_images: int = 256
     target_state: dict[str, Any] = field(default_factory=dict)
 
@@ -252,6 +255,8 @@ def _check(recipe: Recipe) -> None:
         for key in ("lr", "lambda_lr", "carried_lr", "rest_lr", "weight_decay", "label_weight"):
             if getattr(s, key) < 0:
                 raise RecipeError(f"stages[{i}].{key} must be >= 0, got {getattr(s, key)}")
+        if s.cls_weight is not None and not 0.0 <= s.cls_weight <= 1.0:
+            raise RecipeError(f"stages[{i}].cls_weight must be in [0, 1] (or null), got {s.cls_weight}")
     diffusion_stages = [s.name for s in recipe.stages if s.kind == "distill_diffusion"]
     if diffusion_stages and recipe.diffusion is None:
         raise RecipeError(f"stage {diffusion_stages[0]!r} is distill_diffusion: the recipe needs a `diffusion` section")
