@@ -86,6 +86,7 @@ from vca_patch.train.recipe import Recipe, load_recipe
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "dinov2_small.yaml"
 MAX_CALIBRATION = 64
 FIT_CROPS = 48  # crops of the training photos (not the ones trained on) on which the fit to them is measured
+DOMAIN_PREFIX = "fashion-mnist-"  # the names `domain_photos` gives the --domain-images
 LATENCY_SIZES = (224, 518)  # the first is the one `latency_ratio` reports
 _START = time.perf_counter()
 
@@ -141,6 +142,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="also calibrate and recover on this many unlabelled Fashion-MNIST training images (not "
                              "the probe's): the probe's domain, without its labels, as your own unlabelled images of "
                              "a downstream task would be (default 0)")  # fmt: skip
+    parser.add_argument("--domain-share", type=float,
+                        help="the Fashion-MNIST images' share of the recovery crops, the photos sharing the rest "
+                             "(default: every image drawn alike, so 300 among 109 photos make 73%%)")  # fmt: skip
     parser.add_argument("--output", type=Path, help="keep metrics, checkpoint and the table here")
     parser.add_argument("--plan-budget", type=float, help="plan the conversion for this latency ratio (0 < B < 1)")
     parser.add_argument("--plan-images", type=int, default=8, help="calibration crops the planner uses (8)")
@@ -178,6 +182,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--eval-crops must be >= 0 and --batch-size >= 1")
     if not is_local_window(args.local_window):
         parser.error(f"--local-window must be 0 (off) or odd (3, 5, 7, ...), got {args.local_window}")
+    if args.domain_share is not None and not 0 < args.domain_share < 1:
+        parser.error(f"--domain-share must be in (0, 1), got {args.domain_share}")
     if not 0 <= args.interpolate <= 1:
         parser.error(f"--interpolate must be in [0, 1], got {args.interpolate}")
     if args.steps is not None and args.steps < 1:
@@ -289,14 +295,27 @@ def recover(
     if crops < batch * accelerator.num_processes:
         raise SystemExit(f"--train-crops {crops} is fewer than one batch ({batch} x {accelerator.num_processes})")
     augment = PhotometricAugment() if args.augment == "photometric" else None
-    train_set = PhotoCrops(photos, args.size, crops, seed=args.seed + 2, augment=augment)  # labels 0: unused
+    weights = crop_weights(photos, args.domain_share)
+    train_set = PhotoCrops(photos, args.size, crops, seed=args.seed + 2, augment=augment, weights=weights)  # labels 0
     log(f"recover: {steps} steps of {batch} crops ({step:.2f} s/step measured), {crops} crops of {len(photos)} photos")
     start = time.perf_counter()
     result = run_recipe(student, original, recipe, output, train_set=train_set, accelerator=accelerator)
     record = {"steps": steps, "batch": batch, "seconds": time.perf_counter() - start,
               "seconds_per_step_measured": step, "crops": crops, "photos": len(photos),
-              "train_images": str(args.train_images), "augment": args.augment, "recipe": recipe.name}  # fmt: skip
+              "train_images": str(args.train_images), "augment": args.augment, "recipe": recipe.name,
+              "domain_share": args.domain_share if weights else None}  # fmt: skip
     return result.model.cpu().eval(), record
+
+
+def crop_weights(photos: dict[str, torch.Tensor], domain_share: float | None) -> dict[str, float] | None:
+    """Per-photo draw weights giving the --domain-images `domain_share` of the crops and the other photos the rest;
+    None (every image drawn alike) when `domain_share` is None or there are not both."""
+    domain = [name for name in photos if name.startswith(DOMAIN_PREFIX)]
+    if domain_share is None or not domain or len(domain) == len(photos):
+        return None
+    other = len(photos) - len(domain)
+    return {name: domain_share / len(domain) if name.startswith(DOMAIN_PREFIX) else (1 - domain_share) / other
+            for name in photos}  # fmt: skip
 
 
 def interpolate(calibrated: nn.Module, recovered: nn.Module, t: float) -> nn.Module:
@@ -377,9 +396,11 @@ def run(args: argparse.Namespace, output: Path) -> dict[str, Any]:
 
     rows = [{"name": name, **fidelity(reference, tokens(model, evaluation, 16))} for name, model in models.items()]
     if photos is not None and "recovered" in models:
-        # Fit on the training photos (other crops of them than the training ones): near the held-out figures, the
-        # conversion's capacity is what limits it; far above them, more photos would help.
-        fit = torch.stack([x for x, _ in PhotoCrops(photos, args.size, FIT_CROPS, seed=args.seed + 3)])
+        # Fit on the training photos (other crops of them than the training ones; the photos, not the domain
+        # images): near the held-out figures, the conversion's capacity is what limits it; far above them, more
+        # photos would help.
+        own = {name: photo for name, photo in photos.items() if not name.startswith(DOMAIN_PREFIX)}
+        fit = torch.stack([x for x, _ in PhotoCrops(own, args.size, FIT_CROPS, seed=args.seed + 3)])
         fit_reference = tokens(original, fit, 16)
         for row in rows:
             scores = fidelity(fit_reference, tokens(models[row["name"]], fit, 16))
@@ -430,6 +451,8 @@ def markdown(result: dict[str, Any]) -> str:
     )  # fmt: skip
     domain = s.get("domain_images", 0)
     photos = f"{rec.get('photos', 0) - domain} photos" + (f" and {domain} Fashion-MNIST images" if domain else "")
+    if rec.get("domain_share"):
+        photos += f" ({rec['domain_share']:.0%} of the crops)"
     recovery = (
         f"recovery {rec['steps']} steps x {rec['batch']} of {rec['crops']} crops of {photos} "
         f"(augment: {rec['augment']}; {rec['seconds'] / 60:.1f} min)"
@@ -451,7 +474,11 @@ def markdown(result: dict[str, Any]) -> str:
     fits = [f"{r['name']} {r['train_photos_cls_cosine']:.3f} / {r['train_photos_patch_token_cosine']:.3f}"
             for r in result["results"] if "train_photos_cls_cosine" in r and r["name"] != "original"]  # fmt: skip
     if fits:
-        lines += ["", f"On {FIT_CROPS} other crops of the training photos (CLS / patch-token cos): {'; '.join(fits)}."]
+        lines += [
+            "",
+            f"On {FIT_CROPS} other crops of the training photos (not the Fashion-MNIST images; CLS / "
+            f"patch-token cos): {'; '.join(fits)}.",
+        ]
     return "\n".join(lines) + "\n"
 
 

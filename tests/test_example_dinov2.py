@@ -132,6 +132,7 @@ def test_planned_run_converts_with_the_plan_it_prints(example, monkeypatch, caps
      (["--interpolate", "1.5"], "--interpolate must be in \\[0, 1\\]"),
      (["--domain-images", "-1"], "--domain-images must be >= 0"),
      (["--domain-images", "8", "--plan-budget", "0.5"], "0 with --plan-budget"),
+     (["--domain-share", "1"], "--domain-share must be in \\(0, 1\\)"),
      (["--softmax-blocks", "8", "--plan-budget", "0.5"], "the plan chooses each block's attention"),
      (["--softmax-blocks", "8,x"], "invalid block_list value"), (["--softmax-blocks", "-1"], "invalid block_list")],
 )  # fmt: skip
@@ -183,6 +184,24 @@ def test_calibration_crops_mix_the_calibration_photos_with_the_other_recovery_ph
         crops, source = example.calibration_crops(8, 56, photos, seed=0)
         assert torch.equal(crops, alone) and source == "calibration"
     assert example.parse([]).calibration_photos == "mixed"
+
+
+def test_domain_images_get_their_share_of_the_recovery_crops():
+    import torch
+
+    example = _load_example()
+    photos = {f"photo{i}": torch.zeros(3, 8, 8) for i in range(4)}
+    domain = {f"{example.DOMAIN_PREFIX}train-{i:05d}": torch.zeros(3, 8, 8) for i in range(12)}
+    weights = example.crop_weights({**photos, **domain}, 0.25)
+    assert sum(weights[name] for name in domain) == pytest.approx(0.25)
+    assert all(weights[name] == pytest.approx(0.75 / 4) for name in photos)
+    assert example.crop_weights(photos, 0.25) is None and example.crop_weights(domain, 0.25) is None  # uniform
+    # the names the domain images are given are the ones the share is recognised by
+    from vca_patch.real_weights.probe import domain_photos
+
+    assert all(name.startswith(example.DOMAIN_PREFIX) for name in domain_photos(2, skip=0))
+    assert example.crop_weights({**photos, **domain}, None) is None  # the default: every image drawn alike
+    assert example.parse([]).domain_share is None and example.parse(["--domain-share", "0.5"]).domain_share == 0.5
 
 
 def test_steps_fix_the_recipe_length_whatever_the_step_time():

@@ -79,6 +79,24 @@ def test_photo_crops_draw_every_photo_and_are_deterministic():
         PhotoCrops({}, 16, 4)
 
 
+def test_photo_crops_weights_set_each_photos_share_of_the_crops():
+    photos = {f"p{i}": torch.full((3, 24, 24), i / 10) for i in range(4)}
+    weights = {"p0": 6.0, "p1": 2.0, "p2": 1.0, "p3": 1.0}
+    crops = PhotoCrops(photos, 8, 4000, seed=0, weights=weights)
+    drawn = torch.tensor([round(float(crops[i][0][0, 0, 0] * 0.229 + 0.485) * 10) for i in range(len(crops))])
+    shares = torch.bincount(drawn, minlength=4).double() / len(crops)  # [4]
+    expected = torch.tensor([0.6, 0.2, 0.1, 0.1], dtype=torch.float64)
+    # binomial standard error <= 0.008 at n = 4000: 4 of them
+    assert torch.allclose(shares, expected, atol=0.03), shares
+    assert torch.equal(PhotoCrops(photos, 8, 4000, seed=0, weights=weights)[11][0], crops[11][0])  # deterministic
+    uniform = PhotoCrops(photos, 8, 10, seed=0)
+    assert torch.equal(uniform[3][0], PhotoCrops(photos, 8, 10, seed=0, weights=None)[3][0])
+    for bad, match in (({"p0": 1.0}, "missing"), ({**weights, "p9": 1.0}, "unknown"), ({**weights, "p1": 0.0}, "> 0"),
+                       ({**weights, "p2": float("nan")}, "finite")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            PhotoCrops(photos, 8, 10, weights=bad)
+
+
 def test_photo_crops_flip_and_crop_real_content():
     ramp = torch.linspace(0, 1, 64).expand(3, 64, 64).contiguous()  # brightness grows left to right
     crops = PhotoCrops({"ramp": ramp}, 32, 64, seed=0, scale=(1.0, 1.0))

@@ -8,7 +8,7 @@ EVALUATION_PHOTOS (for measuring it), so no measured image, nor any crop of it, 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -118,7 +118,9 @@ class PhotoCrops(Dataset):
     Unlike `random_crops`, which cycles over the photos in name order, every crop draws its photo at random, so a
     batch of 8 crops from 100 photos is 8 different photos, not the first 8. Item i is the same for the same seed;
     `length` is how many crops an epoch has (training steps × batch for one pass of fresh crops). `augment` (e.g.
-    `PhotometricAugment()`) recolours, greys or blurs each crop before it is normalised.
+    `PhotometricAugment()`) recolours, greys or blurs each crop before it is normalised. `weights` {name: w > 0}
+    draws photo `name` with probability w / sum(w) instead of uniformly (e.g. to give 300 small downstream images
+    the same share of the crops as 100 photos, not three times theirs).
     """
 
     def __init__(
@@ -131,14 +133,17 @@ class PhotoCrops(Dataset):
         scale: tuple[float, float] = (0.15, 1.0),
         flip: bool = True,
         augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
+        weights: Mapping[str, float] | None = None,
     ) -> None:
         if not photos:
             raise ValueError("no photos to crop")
         if length < 1:
             raise ValueError(f"length must be >= 1, got {length}")
-        self.photos = [photos[name] for name in sorted(photos)]
+        names = sorted(photos)
+        self.photos = [photos[name] for name in names]
         self.size, self.length, self.seed, self.scale, self.flip = size, length, seed, scale, flip
         self.augment = augment
+        self.weights = None if weights is None else _photo_weights(names, weights)  # [len(photos)] or None
 
     def __len__(self) -> int:
         return self.length
@@ -147,13 +152,30 @@ class PhotoCrops(Dataset):
         if not 0 <= index < self.length:
             raise IndexError(index)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        image = self.photos[int(torch.randint(0, len(self.photos), (), generator=generator))]
+        if self.weights is None:
+            image = self.photos[int(torch.randint(0, len(self.photos), (), generator=generator))]
+        else:
+            image = self.photos[int(torch.multinomial(self.weights, 1, generator=generator))]
         crop = _random_crop(image, self.size, self.scale, generator)
         if self.flip and bool(torch.rand((), generator=generator) < 0.5):
             crop = crop.flip(-1)
         if self.augment is not None:
             crop = self.augment(crop, generator)
         return normalize(crop), 0
+
+
+def _photo_weights(names: Sequence[str], weights: Mapping[str, float]) -> torch.Tensor:
+    """`weights` in the order of `names` as float64 [len(names)]; ValueError unless it has exactly those names, each
+    with a finite positive weight."""
+    missing, extra = set(names) - set(weights), set(weights) - set(names)
+    if missing or extra:
+        raise ValueError(
+            f"weights must name exactly the photos: missing {sorted(missing)[:3]}, unknown {sorted(extra)[:3]}"
+        )
+    bad = {name: w for name, w in weights.items() if not (math.isfinite(w) and w > 0)}
+    if bad:
+        raise ValueError(f"photo weights must be finite and > 0, got {dict(list(bad.items())[:3])}")
+    return torch.tensor([float(weights[name]) for name in names], dtype=torch.float64)
 
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
