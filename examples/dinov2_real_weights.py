@@ -23,7 +23,8 @@
    calibration photos plus the ~100 photos of Debian's wallpaper and OpenCV sample packages, fetched once with
    apt-get and cached; or any folder of your own; --augment photometric also jitters, greys and blurs them;
    --domain-images N adds N unlabelled Fashion-MNIST training images, the probe's domain, to them and to the
-   calibration crops' other half), its step count set from --minutes by timing one training step (or fixed by --steps)
+   calibration crops' other half; --domain-share S gives them S of the crops, by default every image is drawn
+   alike), its step count set from --minutes by timing one training step (or fixed by --steps)
    (a plan with merging or MANO blocks is training-free: not recovered); then also the weights halfway from the
    calibrated start to the recovered end (`interpolated_state`, WiSE-FT; --interpolate T moves the point, 1: off);
 5. measure, on held-out photos never calibrated or trained on (`benchmarks/real_weights.py`'s measures): CLS and
