@@ -76,7 +76,7 @@ from vca_patch.real_weights.photos import (
     load_image_folder,
     load_photos,
 )
-from vca_patch.real_weights.probe import LinearProbe, domain_photos, original_probe_cell
+from vca_patch.real_weights.probe import DOMAIN_PREFIX, LinearProbe, domain_photos, original_probe_cell
 from vca_patch.recovery import calibrate
 from vca_patch.train.engine import make_accelerator, run_recipe
 from vca_patch.train.interpolate import interpolated_state
@@ -87,7 +87,6 @@ from vca_patch.train.recipe import Recipe, load_recipe
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "dinov2_small.yaml"
 MAX_CALIBRATION = 64
 FIT_CROPS = 48  # crops of the training photos (not the ones trained on) on which the fit to them is measured
-DOMAIN_PREFIX = "fashion-mnist-"  # the names `domain_photos` gives the --domain-images
 LATENCY_SIZES = (224, 518)  # the first is the one `latency_ratio` reports
 _START = time.perf_counter()
 
@@ -311,11 +310,11 @@ def recover(
 def crop_weights(photos: dict[str, torch.Tensor], domain_share: float | None) -> dict[str, float] | None:
     """Per-photo draw weights giving the --domain-images `domain_share` of the crops and the other photos the rest;
     None (every image drawn alike) when `domain_share` is None or there are not both."""
-    domain = [name for name in photos if name.startswith(DOMAIN_PREFIX)]
+    domain = {name for name in photos if name.startswith(DOMAIN_PREFIX)}
     if domain_share is None or not domain or len(domain) == len(photos):
         return None
     other = len(photos) - len(domain)
-    return {name: domain_share / len(domain) if name.startswith(DOMAIN_PREFIX) else (1 - domain_share) / other
+    return {name: domain_share / len(domain) if name in domain else (1 - domain_share) / other
             for name in photos}  # fmt: skip
 
 

@@ -89,8 +89,11 @@ def test_photo_crops_weights_set_each_photos_share_of_the_crops():
     # binomial standard error <= 0.008 at n = 4000: 4 of them
     assert torch.allclose(shares, expected, atol=0.03), shares
     assert torch.equal(PhotoCrops(photos, 8, 4000, seed=0, weights=weights)[11][0], crops[11][0])  # deterministic
+    # without weights the draw is the uniform one it always was (item i: randint, generator seeded with i at seed 0)
     uniform = PhotoCrops(photos, 8, 10, seed=0)
-    assert torch.equal(uniform[3][0], PhotoCrops(photos, 8, 10, seed=0, weights=None)[3][0])
+    for i in range(10):
+        drawn_before = int(torch.randint(0, 4, (), generator=torch.Generator().manual_seed(i)))
+        assert round(float(uniform[i][0][0, 0, 0] * 0.229 + 0.485) * 10) == drawn_before
     for bad, match in (({"p0": 1.0}, "missing"), ({**weights, "p9": 1.0}, "unknown"), ({**weights, "p1": 0.0}, "> 0"),
                        ({**weights, "p2": float("nan")}, "finite")):  # fmt: skip
         with pytest.raises(ValueError, match=match):

@@ -20,6 +20,8 @@ from ..data.fashion_mnist import load_fashion_mnist
 from .load import final_tokens
 from .photos import normalize
 
+DOMAIN_PREFIX = "fashion-mnist-"  # how the names `domain_photos` gives begin
+
 
 def fashion_mnist_images(split: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(28 px grey images in [0, 1] [N, 1, 28, 28], int64 labels): the first `count` of `split`."""
@@ -34,7 +36,7 @@ def domain_photos(count: int, skip: int) -> dict[str, torch.Tensor]:
     images = fashion_mnist_images("train", skip + count)[0][skip:]
     if len(images) < count:
         raise ValueError(f"Fashion-MNIST has {skip + len(images)} training images, fewer than {skip} + {count}")
-    return {f"fashion-mnist-train-{skip + i:05d}": image.expand(3, -1, -1).clone() for i, image in enumerate(images)}
+    return {f"{DOMAIN_PREFIX}train-{skip + i:05d}": image.expand(3, -1, -1).clone() for i, image in enumerate(images)}
 
 
 @torch.no_grad()
