@@ -22,7 +22,14 @@ from vca_patch.real_weights.photo_packages import (
     package_photos,
     select_images,
 )
-from vca_patch.real_weights.photos import PhotoCrops, load_image_folder, normalize, random_crops
+from vca_patch.real_weights.photos import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    PhotoCrops,
+    load_image_folder,
+    normalize,
+    random_crops,
+)
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -58,18 +65,24 @@ def test_load_image_folder_reads_downscales_and_refuses_bad_files(tmp_path):
         load_image_folder(tmp_path / "missing")
 
 
+def _red_corner(images: torch.Tensor) -> torch.Tensor:
+    """The red value of the top-left pixel of normalised images [..., 3, H, W], back in [0, 1]: which constant photo a
+    crop came from."""
+    return images[..., 0, 0, 0] * IMAGENET_STD[0] + IMAGENET_MEAN[0]
+
+
 def test_photo_crops_draw_every_photo_and_are_deterministic():
     photos = {f"p{i}": torch.full((3, 32, 48), i / 10) for i in range(10)}
     crops = PhotoCrops(photos, 16, 200, seed=3)
     x = torch.stack([crops[i][0] for i in range(len(crops))])
     assert x.shape == (200, 3, 16, 16) and crops[5][1] == 0
     # each crop is one constant photo: which photo it came from is its (normalised) value
-    drawn = {round(float(v), 3) for v in (x[:, 0, 0, 0] * 0.229 + 0.485)}
+    drawn = {round(float(v), 3) for v in _red_corner(x)}
     assert len(drawn) == 10  # all ten photos, not the first eight as cycling in name order gives a batch of 8
-    first_batch = {round(float(v), 3) for v in (x[:8, 0, 0, 0] * 0.229 + 0.485)}
+    first_batch = {round(float(v), 3) for v in _red_corner(x[:8])}
     assert len(first_batch) > 1
     cycled = random_crops(photos, 8, 16, seed=3)
-    assert {round(float(v), 3) for v in (cycled[:, 0, 0, 0] * 0.229 + 0.485)} == {i / 10 for i in range(8)}
+    assert {round(float(v), 3) for v in _red_corner(cycled)} == {i / 10 for i in range(8)}
     assert torch.equal(PhotoCrops(photos, 16, 200, seed=3)[7][0], crops[7][0])
     other = torch.stack([PhotoCrops(photos, 16, 200, seed=4)[i][0] for i in range(8)])
     assert not torch.equal(other, x[:8])  # another seed, other crops
@@ -83,7 +96,7 @@ def test_photo_crops_weights_set_each_photos_share_of_the_crops():
     photos = {f"p{i}": torch.full((3, 24, 24), i / 10) for i in range(4)}
     weights = {"p0": 6.0, "p1": 2.0, "p2": 1.0, "p3": 1.0}
     crops = PhotoCrops(photos, 8, 4000, seed=0, weights=weights)
-    drawn = torch.tensor([round(float(crops[i][0][0, 0, 0] * 0.229 + 0.485) * 10) for i in range(len(crops))])
+    drawn = torch.tensor([round(float(_red_corner(crops[i][0])) * 10) for i in range(len(crops))])
     shares = torch.bincount(drawn, minlength=4).double() / len(crops)  # [4]
     expected = torch.tensor([0.6, 0.2, 0.1, 0.1], dtype=torch.float64)
     # binomial standard error <= 0.008 at n = 4000: 4 of them
@@ -93,7 +106,7 @@ def test_photo_crops_weights_set_each_photos_share_of_the_crops():
     uniform = PhotoCrops(photos, 8, 10, seed=0)
     for i in range(10):
         drawn_before = int(torch.randint(0, 4, (), generator=torch.Generator().manual_seed(i)))
-        assert round(float(uniform[i][0][0, 0, 0] * 0.229 + 0.485) * 10) == drawn_before
+        assert round(float(_red_corner(uniform[i][0])) * 10) == drawn_before
     for bad, match in (({"p0": 1.0}, "missing"), ({**weights, "p9": 1.0}, "unknown"), ({**weights, "p1": 0.0}, "> 0"),
                        ({**weights, "p2": float("nan")}, "finite")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
