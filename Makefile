@@ -22,6 +22,7 @@ demo: install
 test: install
 	HF_HUB_OFFLINE=1 VCA_PATCH_REQUIRE_CPU_KERNEL=1 $(PYTHON) -m pytest -n 2  # two workers, one torch thread each
 
-lint:
+lint: install
 	ruff check vca_patch tests
 	ruff format --check vca_patch tests
+	lint-imports  # the layer and plug-in contracts in pyproject.toml

@@ -425,7 +425,7 @@ def run_child(name: str, result_path: Path, cap_s: float, dry_run: bool, compile
     plan = make_plan(dry_run, compile_mode)
     rec = Recorder(result_path, time.monotonic() + 0.85 * cap_s - 3.0)  # cooperative deadline, before the hard cap
     if dry_run:
-        from vca_patch.attention import fused_cpu
+        from vca_patch.targets.vca import fused_cpu
 
         torch.set_num_threads(min(2, torch.get_num_threads()))
         context = fused_cpu.use_kernel(False)  # the composite path: no kernel build inside a dry run

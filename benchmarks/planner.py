@@ -26,12 +26,11 @@ import time
 from pathlib import Path
 
 import torch
+from dinov2_weights.measure import fidelity, latency, tokens
 from torch import nn
 
 import vca_patch
-from vca_patch.attention.neighbourhood import is_local_window
-from vca_patch.io.atomic import atomic_write_text
-from vca_patch.merging import MergeConfig
+from vca_patch.core.atomic import atomic_write_text
 from vca_patch.planner import (
     PLAN_UNMERGE_MODES,
     candidates,
@@ -46,7 +45,8 @@ from vca_patch.planner.model_info import PlanError
 from vca_patch.planner.planner import apply_plan
 from vca_patch.planner.search import OBJECTIVES
 from vca_patch.planner.sensitivity import measure_sensitivity, merge_rates
-from vca_patch.real_weights.measure import fidelity, latency, tokens
+from vca_patch.targets.merge import MergeConfig
+from vca_patch.targets.vca.neighbourhood import is_local_window
 
 RESULTS = Path(__file__).parent / "results"
 FULL = {"calibration": 8, "eval_crops": 6, "budgets": [0.4, 0.5, 0.6, 0.7, 0.8], "ns": [16, 49], "repeats": 3,
@@ -59,8 +59,8 @@ PLOT_LABELS = {"merging": "merging alone (ToMe)", "residual": "merging, residual
 
 
 def _real(size: int, calibration: int, eval_crops: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    from vca_patch.real_weights import load_dinov2_small
-    from vca_patch.real_weights.photos import calibration_images, evaluation_images
+    from dinov2_weights import load_dinov2_small
+    from dinov2_weights.photos import calibration_images, evaluation_images
 
     model = load_dinov2_small("timm", img_size=size)
     return model, calibration_images(calibration, size), evaluation_images(size, eval_crops)

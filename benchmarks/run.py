@@ -34,8 +34,8 @@ from vca_patch.bench import BenchSettings, build_variants, run_sweep
 from vca_patch.bench.report import crossover_lines, ratios_table, results_table, write_json
 from vca_patch.bench.sweep import malloc_setting
 from vca_patch.cli.common import console
-from vca_patch.config import VCAConfig
-from vca_patch.io.atomic import atomic_write_text
+from vca_patch.core.atomic import atomic_write_text
+from vca_patch.targets.vca.config import VCAConfig
 
 RESULTS = Path(__file__).parent / "results"
 

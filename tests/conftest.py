@@ -45,8 +45,8 @@ pytest.register_assert_rewrite("tests.helpers_hierarchical")
 @pytest.fixture
 def diffusers_loadable(monkeypatch):
     """Register the diffusers base check with io.config_guard when the io package does not know it yet."""
-    from vca_patch.adapters.diffusers_dit import check_diffusers_base
-    from vca_patch.io import config_guard
+    from vca_patch.checkpoint import config_guard
+    from vca_patch.families.diffusers.dit import check_diffusers_base
 
     if "diffusers-dit" not in config_guard.ADAPTER_LIBRARIES:
         monkeypatch.setitem(config_guard.ADAPTER_LIBRARIES, "diffusers-dit", "diffusers")

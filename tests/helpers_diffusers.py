@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vca_patch import patch_model
-from vca_patch.adapters.diffusers_dit import patched_processors
-from vca_patch.config import TargetConfig
-from vca_patch.io.checkpoint import from_pretrained, save_pretrained
+from vca_patch.checkpoint.folder import from_pretrained, save_pretrained
+from vca_patch.families.diffusers.dit import patched_processors
+from vca_patch.targets.base import TargetConfig
 
 
 def latent(*shape: int, seed: int = 0) -> torch.Tensor:

@@ -9,15 +9,15 @@ import torch
 import torch.nn.functional as F
 
 import vca_patch
-from vca_patch.config import VCAConfig
 from vca_patch.recovery import calibrate
+from vca_patch.targets.vca.config import VCAConfig
 
 
 def load_dinov2_or_skip() -> torch.nn.Module:
     """The transformers DINOv2 model with the real weights; a skip naming why when they cannot be had."""
     pytest.importorskip("transformers")
     pytest.importorskip("skimage")
-    from vca_patch.real_weights import RegistryUnavailableError, cached_weights, load_dinov2_small
+    from dinov2_weights import RegistryUnavailableError, cached_weights, load_dinov2_small
 
     try:
         cached_weights(timeout=5)
@@ -30,8 +30,8 @@ def quick_cosines(dinov2: torch.nn.Module, **config) -> tuple[float, float]:
     """(CLS, patch-token) cosine to `dinov2` on the held-out evaluation photos at 112 px of a copy converted with
     `VCAConfig(**config)` and calibrated on 4 crops of the calibration photos (no temperature search: most of the
     time, and the same for every option)."""
-    from vca_patch.real_weights.load import final_tokens
-    from vca_patch.real_weights.photos import calibration_images, evaluation_images
+    from dinov2_weights.load import final_tokens
+    from dinov2_weights.photos import calibration_images, evaluation_images
 
     torch.manual_seed(0)
     evaluation, calib = evaluation_images(112, 0), calibration_images(4, 112, seed=1)

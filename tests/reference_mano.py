@@ -1,6 +1,6 @@
 """Independent float64 Multipole Attention, written from docs/mano.md with plain einsum/softmax.
 
-Shares no code with vca_patch.attention.mano: windows are cut by index loops and truncated at the
+Shares no code with vca_patch.targets.mano.layer: windows are cut by index loops and truncated at the
 grid edge (the module pads and masks instead), conv/deconv are einsums over r×r blocks, and the
 levels are combined with the unrolled V-cycle Z⁰ = Σ_ℓ c_ℓ·U^ℓ(Y^ℓ), c_ℓ = (L−1−ℓ)!/(L−1)!,
 rather than the module's recursion. q/k norms, the pre-proj norm and the gate are taken as identity.

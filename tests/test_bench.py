@@ -13,7 +13,6 @@ import time
 import pytest
 import torch
 
-from vca_patch.attention import TokenLayout, VisualContrastAttention
 from vca_patch.bench import (
     ORIGINAL,
     UNFUSED,
@@ -32,7 +31,9 @@ from vca_patch.bench import (
     vca_attention_macs,
 )
 from vca_patch.bench.flops import ATTENTION_MACS
-from vca_patch.config import VCAConfig
+from vca_patch.layers.layout import TokenLayout
+from vca_patch.targets.vca.config import VCAConfig
+from vca_patch.targets.vca.layer import VisualContrastAttention
 
 # --- analytic MACs -------------------------------------------------------------------------------------
 
@@ -178,8 +179,8 @@ def test_cpu_peak_memory_counts_live_tensors_exactly():
 @pytest.mark.parametrize("px", [112, 160, 224])
 def test_patched_inference_memory_not_above_original_on_small_grids(px, kernel):
     """At 1-4 patches per contrast token the 2n-token tensors could set the peak: each must die once used."""
-    from vca_patch.attention import fused_cpu
     from vca_patch.bench.memory import cpu_peak_mib
+    from vca_patch.targets.vca import fused_cpu
 
     variants = build_variants("deit_small_patch16_224", [VCAConfig()], model_args={"depth": 1}, unfused=False)
     x = torch.randn(1, 3, px, px)
@@ -244,7 +245,7 @@ def test_cli_bench_writes_json_and_plot(tmp_path):
 
 
 def _expected_kernel_status() -> str:
-    from vca_patch.attention import fused_cpu
+    from vca_patch.targets.vca import fused_cpu
 
     return "fused" if fused_cpu.kernel_available() else fused_cpu.kernel_status()
 
@@ -320,7 +321,7 @@ def test_vca_compiles_without_graph_breaks(softmax):
 def test_vca_inference_compiles_without_graph_breaks(kernel):
     """The no-autograd paths trace whole: the fused CPU op as one opaque call, or the composite path (in-place
     norm, split qkv, input pooling, cached λ)."""
-    from vca_patch.attention import fused_cpu
+    from vca_patch.targets.vca import fused_cpu
 
     torch._dynamo.reset()
     module = VisualContrastAttention(32, 4, contrast_grid=(2, 2), prefix_readout="exact", stage2_temperature=True)

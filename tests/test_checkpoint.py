@@ -6,8 +6,8 @@ import torch
 import vca_patch
 from tests.models import tiny, trained_a_little
 from vca_patch import VCAConfig, patch_model
-from vca_patch.io import CheckpointError, OutputExistsError, WeightsMismatchError
-from vca_patch.io import checkpoint as checkpoint_module
+from vca_patch.checkpoint import CheckpointError, OutputExistsError, WeightsMismatchError
+from vca_patch.checkpoint import folder as checkpoint_module
 from vca_patch.surgery import PatchError
 
 

@@ -13,15 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from dinov2_weights import RegistryUnavailableError, cached_weights, load_dinov2_small
+from dinov2_weights.measure import fidelity, tokens
+from dinov2_weights.photos import IMAGENET_MEAN, IMAGENET_STD, calibration_images, evaluation_images
 from PIL import Image
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import vca_patch
 from vca_patch.cli import app
-from vca_patch.real_weights import RegistryUnavailableError, cached_weights, load_dinov2_small
-from vca_patch.real_weights.measure import fidelity, tokens
-from vca_patch.real_weights.photos import IMAGENET_MEAN, IMAGENET_STD, calibration_images, evaluation_images
 
 pytest.importorskip("transformers")
 pytest.importorskip("skimage")

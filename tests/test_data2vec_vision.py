@@ -12,7 +12,7 @@ import transformers
 
 import vca_patch
 from vca_patch import VCAConfig, patch_model, unpatch_model
-from vca_patch.adapters.hf_vision import HFVisionAdapter
+from vca_patch.families.transformers.vision import HFVisionAdapter
 from vca_patch.surgery import inspect_model
 
 BIAS_KINDS = [{"use_relative_position_bias": True}, {"use_shared_relative_position_bias": True}]

@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from tests.recovery_helpers import TINY_ARGS, needs_fashion_mnist, probe_images, tiny_vit
 from vca_patch import VCAConfig, patch_model, save_pretrained
+from vca_patch.checkpoint import from_pretrained
 from vca_patch.cli import app
-from vca_patch.fidelity import model_input_size
-from vca_patch.io import from_pretrained
+from vca_patch.core.model_io import model_input_size
 from vca_patch.recovery import calibrate
 
 runner = CliRunner()
@@ -146,7 +146,7 @@ def test_fidelity_in_bfloat16_matches_float32_within_bf16_rounding(tmp_path):
 
 
 def test_probe_follows_the_model_device_and_dtype():
-    from vca_patch.fidelity import probe_batch
+    from vca_patch.eval.fidelity import probe_batch
 
     model = timm.create_model("deit_tiny_patch16_224", pretrained=False, depth=1, img_size=32).to(torch.bfloat16)
     probe = probe_batch(model, 2, seed=3)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from vca_patch import TokenLayout
-from vca_patch.didb import DIDBAttention
+from vca_patch.targets.didb import DIDBAttention
 
 DIM, HEADS, P, GRID = 16, 2, 1, (3, 4)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from vca_patch.didb import BinaryLinear, ImprovedRPReLU, haar_split, haar_subbands
+from vca_patch.targets.didb import BinaryLinear, ImprovedRPReLU, haar_split, haar_subbands
 
 
 def _linear(seed: int = 0, in_features: int = 13, out_features: int = 7) -> nn.Linear:

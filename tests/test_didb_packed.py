@@ -14,11 +14,11 @@ import vca_patch
 from tests.models import tiny, trained_a_little
 from vca_patch import DIDBConfig
 from vca_patch.bench.binary_linears import compare_binary_linears
-from vca_patch.didb import PackedBinaryLinear, is_packed, kernel, pack_binary, set_binarization, unpack_binary
-from vca_patch.didb.binary import BinaryWeight, binary_forward
-from vca_patch.didb.packed import pack_bits, pack_weight
-from vca_patch.io import CheckpointError
+from vca_patch.checkpoint import CheckpointError
 from vca_patch.surgery import PatchError
+from vca_patch.targets.didb import PackedBinaryLinear, is_packed, kernel, pack_binary, set_binarization, unpack_binary
+from vca_patch.targets.didb.binary import BinaryWeight, binary_forward
+from vca_patch.targets.didb.packed import pack_bits, pack_weight
 
 ODD = [(1, 3, 2), (63, 5, 4), (64, 7, 3), (65, 4, 5), (130, 9, 6), (200, 17, 7)]  # (in, out, rows)
 

@@ -9,11 +9,10 @@ import torch
 from torch import nn
 
 import vca_patch
+from tests.models import tiny, trained_a_little
 from vca_patch import ConfigError, DIDBConfig, TargetConfig, patch_model, unpatch_model
-from vca_patch.didb import BinaryLinear, DIDBAttention, ImprovedRPReLU, set_binarization
 from vca_patch.surgery import inspect_model
-
-from .models import tiny, trained_a_little
+from vca_patch.targets.didb import BinaryLinear, DIDBAttention, ImprovedRPReLU, set_binarization
 
 X = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
 
@@ -82,7 +81,7 @@ def _write_checkpoint(model: nn.Module, folder, args) -> None:
     """config.json + model.safetensors as save_pretrained writes them (without its model card, see below)."""
     from safetensors.torch import save_file
 
-    from vca_patch.io.checkpoint import checkpoint_metadata
+    from vca_patch.checkpoint.folder import checkpoint_metadata
 
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(checkpoint_metadata(model, model_args=args), indent=2))

@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 import vca_patch
 from tests.recovery_helpers import needs_fashion_mnist, tiny_vit
 from vca_patch import ConfigError, DIDBConfig, VCAConfig
-from vca_patch.didb import BinaryLinear, DIDBAttention
+from vca_patch.targets.didb import BinaryLinear, DIDBAttention
 from vca_patch.train import RecipeError, load_recipe, recipe_from_dict, run_recipe, teacher_from
 from vca_patch.train.engine import stage_target_state
 from vca_patch.train.params import parameter_groups

@@ -17,12 +17,12 @@ import vca_patch  # noqa: E402
 from tests.test_diffusers_dit import tiny_dit, tiny_pixart  # noqa: E402
 from tests.test_diffusers_single_stream import tiny_flux  # noqa: E402
 from vca_patch import VCAConfig, patch_model  # noqa: E402
-from vca_patch.adapters.diffusers_dit import patched_processors  # noqa: E402
-from vca_patch.adapters.diffusers_probe import attention_errors, predict, probe_inputs  # noqa: E402
-from vca_patch.adapters.diffusers_source import SOURCE, load_diffusers_transformer  # noqa: E402
+from vca_patch.checkpoint import load_base_model  # noqa: E402
+from vca_patch.checkpoint.delta import DeltaError  # noqa: E402
 from vca_patch.cli import app  # noqa: E402
-from vca_patch.io import load_base_model  # noqa: E402
-from vca_patch.io.delta import DeltaError  # noqa: E402
+from vca_patch.families.diffusers.dit import patched_processors  # noqa: E402
+from vca_patch.families.diffusers.probe import attention_errors, predict, probe_inputs  # noqa: E402
+from vca_patch.families.diffusers.source import SOURCE, load_diffusers_transformer  # noqa: E402
 from vca_patch.surgery import inspect_model  # noqa: E402
 
 runner = CliRunner()
@@ -277,8 +277,8 @@ def test_delta_against_a_hub_pipeline_records_repo_subfolder_and_commit(hub, tmp
 
 
 def test_a_recorded_subfolder_must_be_one_plain_folder_name(tmp_path):
-    from vca_patch.io.config_guard import UnsafeConfigError
-    from vca_patch.io.delta import check_base_weights_ref
+    from vca_patch.checkpoint.config_guard import UnsafeConfigError
+    from vca_patch.checkpoint.delta import check_base_weights_ref
 
     good = {"hf_hub_id": "acme/x", "revision": "a" * 40, "filename": "diffusion_pytorch_model.safetensors"}
     check_base_weights_ref({**good, "subfolder": "transformer"}, "config.json")

@@ -22,12 +22,13 @@ from tests.helpers_diffusers import (  # noqa: E402
 )
 from tests.reference_vca import reference_vca  # noqa: E402
 from vca_patch import VCAConfig, patch_model, unpatch_model  # noqa: E402
-from vca_patch.adapters import adapter_for  # noqa: E402
-from vca_patch.adapters.diffusers_dit import DiffusersDiTAdapter, check_diffusers_base, patched_processors  # noqa: E402
-from vca_patch.adapters.diffusers_processor import CarriedLayerProcessor  # noqa: E402
-from vca_patch.adapters.verify import reference_softmax_attention  # noqa: E402
-from vca_patch.attention import TokenLayout, VisualContrastAttention  # noqa: E402
+from vca_patch.families import adapter_for  # noqa: E402
+from vca_patch.families.diffusers.dit import DiffusersDiTAdapter, check_diffusers_base, patched_processors  # noqa: E402
+from vca_patch.families.diffusers.processor import CarriedLayerProcessor  # noqa: E402
+from vca_patch.families.verify import reference_softmax_attention  # noqa: E402
+from vca_patch.layers.layout import TokenLayout  # noqa: E402
 from vca_patch.surgery import NothingToPatchError, get_patch_state, inspect_model  # noqa: E402
+from vca_patch.targets.vca.layer import VisualContrastAttention  # noqa: E402
 
 CONFIG = VCAConfig(contrast_tokens=16, init="paper")  # random e±, λ, DWC: every new parameter matters
 
@@ -300,7 +301,7 @@ def test_save_and_reload_give_identical_outputs(tmp_path, diffusers_loadable, fo
 
 
 def test_base_description_refuses_unknown_classes_and_paths():
-    from vca_patch.io.config_guard import UnsafeConfigError
+    from vca_patch.checkpoint.config_guard import UnsafeConfigError
 
     description = DiffusersDiTAdapter().describe_base(tiny_dit())
     check_diffusers_base(description, "test")

@@ -32,12 +32,12 @@ from tests.helpers_diffusers import (  # noqa: E402
 )
 from tests.reference_vca import _depthwise3x3, _lam, _pool, _rms, _softmax  # noqa: E402
 from vca_patch import MANOConfig, VCAConfig, patch_model, unpatch_model  # noqa: E402
-from vca_patch.adapters.diffusers_dit import DiffusersDiTAdapter, patched_processors  # noqa: E402
-from vca_patch.adapters.diffusers_joint import carry_joint, reference_joint_attention  # noqa: E402
-from vca_patch.adapters.diffusers_processor import JointLayerProcessor  # noqa: E402
-from vca_patch.attention import TokenLayout  # noqa: E402
-from vca_patch.attention.joint_vca import JointVisualContrastAttention  # noqa: E402
+from vca_patch.families.diffusers.dit import DiffusersDiTAdapter, patched_processors  # noqa: E402
+from vca_patch.families.diffusers.joint import carry_joint, reference_joint_attention  # noqa: E402
+from vca_patch.families.diffusers.processor import JointLayerProcessor  # noqa: E402
+from vca_patch.layers.layout import TokenLayout  # noqa: E402
 from vca_patch.surgery import NothingToPatchError  # noqa: E402
+from vca_patch.targets.vca.joint import JointVisualContrastAttention  # noqa: E402
 
 CONFIG = VCAConfig(contrast_tokens=16, init="paper")  # random e±, λ, DWC: every new parameter matters
 JOINT = ["transformer_blocks.0.attn", "transformer_blocks.1.attn"]
@@ -382,7 +382,7 @@ def test_flux_patched_attention_matches_float64_reference_and_text_is_exact():
 def test_rope_one_token_cells_rotate_contrast_tokens_as_the_tokens_themselves():
     """A 1×1 pooling cell: the contrast token rotated at its cell's centre is the token's own rotation (so, with
     e± = 0, both rope_contrast modes compute the same layer); with e± ≠ 0 "centre" also rotates e±."""
-    from vca_patch.attention.joint_vca import JointInputs, rotate
+    from vca_patch.targets.vca.joint import JointInputs, rotate
 
     model = tiny_flux(num_single_layers=1)
     patch_model(model, CONFIG)
@@ -415,7 +415,7 @@ def test_rope_one_token_cells_rotate_contrast_tokens_as_the_tokens_themselves():
 
 
 def test_flux_denoising_layout_from_img_ids_unpatch_and_reload(tmp_path, diffusers_loadable):
-    from vca_patch.io.checkpoint import from_pretrained, save_pretrained
+    from vca_patch.checkpoint.folder import from_pretrained, save_pretrained
 
     model = tiny_flux(num_single_layers=1)
     before = {k: v.clone() for k, v in model.state_dict().items()}

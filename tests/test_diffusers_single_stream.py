@@ -25,10 +25,10 @@ from tests.helpers_diffusers import (  # noqa: E402
 )
 from tests.reference_vca import _depthwise3x3, _lam, _pool, _rms, _softmax  # noqa: E402
 from vca_patch import MANOConfig, VCAConfig, patch_model, unpatch_model  # noqa: E402
-from vca_patch.adapters.diffusers_dit import carry_single, patched_processors  # noqa: E402
-from vca_patch.adapters.diffusers_flux import FluxSingleLayerProcessor, reference_single_attention  # noqa: E402
-from vca_patch.attention import TokenLayout  # noqa: E402
-from vca_patch.attention.joint_vca import SingleStreamVisualContrastAttention  # noqa: E402
+from vca_patch.families.diffusers.dit import carry_single, patched_processors  # noqa: E402
+from vca_patch.families.diffusers.flux import FluxSingleLayerProcessor, reference_single_attention  # noqa: E402
+from vca_patch.layers.layout import TokenLayout  # noqa: E402
+from vca_patch.targets.vca.joint import SingleStreamVisualContrastAttention  # noqa: E402
 
 CONFIG = VCAConfig(contrast_tokens=16, init="paper")  # random e±, λ, DWC: every new parameter matters
 DOUBLE = ["transformer_blocks.0.attn", "transformer_blocks.1.attn"]

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from vca_patch import VCAConfig, patch_model  # noqa: E402
+from vca_patch.checkpoint import save_pretrained  # noqa: E402
 from vca_patch.data import DatasetError  # noqa: E402
-from vca_patch.io import save_pretrained  # noqa: E402
 from vca_patch.train import RecipeError, StageSpec, finetune, load_recipe, recipe_from_dict  # noqa: E402
 from vca_patch.train.diffusion import NoiseSchedule, distill_diffusion_loss, evaluate_diffusion, predict  # noqa: E402
 from vca_patch.train.diffusion_data import LatentFolder, latent_datasets  # noqa: E402
@@ -268,7 +268,7 @@ def test_fidelity_cli_reports_layer_and_prediction_errors_of_a_diffusion_checkpo
     from typer.testing import CliRunner
 
     from vca_patch.cli.app import app
-    from vca_patch.fidelity import diffusion_fidelity
+    from vca_patch.eval.fidelity import diffusion_fidelity
 
     model = patched_dit()
     save_pretrained(model, tmp_path / "converted")

@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from dinov2_weights import RegistryUnavailableError, cached_weights
 
 from vca_patch.planner import model_info
 from vca_patch.planner import planner as planner_module
 from vca_patch.planner.costs import LatencyTable
-from vca_patch.real_weights import RegistryUnavailableError, cached_weights
 from vca_patch.surgery import get_patch_state
 
 pytest.importorskip("skimage")
@@ -164,8 +164,7 @@ def test_softmax_blocks_past_the_model_are_refused_once_its_depth_is_known(examp
 
 def test_calibration_crops_mix_the_calibration_photos_with_the_other_recovery_photos():
     import torch
-
-    from vca_patch.real_weights.photos import calibration_images
+    from dinov2_weights.photos import calibration_images
 
     example = _load_example()
     own = example.training_photos("calibration")
@@ -197,7 +196,7 @@ def test_domain_images_get_their_share_of_the_recovery_crops():
     assert all(weights[name] == pytest.approx(0.75 / 4) for name in photos)
     assert example.crop_weights(photos, 0.25) is None and example.crop_weights(domain, 0.25) is None  # uniform
     # the names the domain images are given are the ones the share is recognised by
-    from vca_patch.real_weights.probe import domain_photos
+    from dinov2_weights.probe import domain_photos
 
     assert all(name.startswith(example.DOMAIN_PREFIX) for name in domain_photos(2, skip=0))
     assert example.crop_weights({**photos, **domain}, None) is None  # the default: every image drawn alike

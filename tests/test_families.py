@@ -179,5 +179,5 @@ def test_convert_cli_strict_and_exclude(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert vca_patch.from_pretrained(tmp_path / "b").vca_patch_state.config.exclude == r"blocks\.(0|11)\."
-    layers = vca_patch.io.read_checkpoint_config(tmp_path / "b")["layers"]
+    layers = vca_patch.checkpoint.read_checkpoint_config(tmp_path / "b")["layers"]
     assert sorted(v["layer_index"] for v in layers.values()) == list(range(1, 11))

@@ -9,7 +9,8 @@ import torch
 from tests.models import tiny
 from tests.reference_vca import reference_vca
 from vca_patch import VisualContrastAttention, patch_model, unpatch_model
-from vca_patch.attention import TokenLayout, fused_cpu
+from vca_patch.layers.layout import TokenLayout
+from vca_patch.targets.vca import fused_cpu
 
 HALF = [torch.bfloat16, torch.float16]
 # Unit round-off of each dtype: tolerances below are a few of them, measured errors are ~0.3-1 of them.

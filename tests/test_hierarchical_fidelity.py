@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from vca_patch import VCAConfig, patch_model
-from vca_patch.fidelity import fidelity
+from vca_patch.eval.fidelity import fidelity
 from vca_patch.recovery.capture import patched_modules
 from vca_patch.train import teacher_from
 from vca_patch.train.evaluation import image_terms, summarize

@@ -24,19 +24,19 @@ from tests.helpers_hierarchical import (
 from tests.models import trained_a_little
 from tests.reference_hierarchical import reference_reduction_vca, reference_window_attention, reference_windowed_vca
 from vca_patch import NothingToPatchError, PatchError, VCAConfig, patch_model, unpatch_model
-from vca_patch.adapters import adapter_for
-from vca_patch.adapters.hf_pvt import HFPvtAdapter
-from vca_patch.adapters.hf_swin import (
+from vca_patch.families import adapter_for
+from vca_patch.families.transformers.pvt import HFPvtAdapter
+from vca_patch.families.transformers.swin import (
     HFSwinAdapter,
     PaddedShiftWindowCall,
     RecordingClamp,
     SwinLayerWindowEnd,
     SwinLayerWindowHook,
 )
-from vca_patch.adapters.hf_vision import HFVisionAdapter
-from vca_patch.attention.reduced_vca import SpatialReductionVCA
-from vca_patch.attention.window_vca import WindowedVCA
+from vca_patch.families.transformers.vision import HFVisionAdapter
 from vca_patch.surgery import inspect_model, patched_layers
+from vca_patch.targets.vca.reduced import SpatialReductionVCA
+from vca_patch.targets.vca.windowed import WindowedVCA
 
 PVT = {"hidden_sizes": [16, 32], "depths": [1, 2], "num_attention_heads": [1, 2], "sr_ratios": [4, 2],
        "num_encoder_blocks": 2, "patch_sizes": [7, 3], "strides": [4, 2], "mlp_ratios": [2, 2],

@@ -14,10 +14,11 @@ from tests.models import trained_a_little
 from tests.reference_hierarchical import bilinear_upsample, reference_reduction_vca
 from tests.reference_vca import reference_vca
 from vca_patch import MANOConfig, NothingToPatchError, VCAConfig, patch_model
-from vca_patch.attention.q_kv_view import QAndKV
-from vca_patch.attention.reduced_vca import SpatialReductionVCA
-from vca_patch.config import ConfigError, TargetConfig
+from vca_patch.core.errors import ConfigError
+from vca_patch.layers.q_kv_view import QAndKV
 from vca_patch.surgery import inspect_model, patched_layers
+from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.vca.reduced import SpatialReductionVCA
 
 
 @pytest.fixture(scope="module")

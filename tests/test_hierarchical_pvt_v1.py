@@ -16,12 +16,13 @@ from tests.models import trained_a_little
 from tests.reference_hierarchical import reference_reduction_vca
 from tests.reference_vca import reference_vca
 from vca_patch import NothingToPatchError, PatchError, VCAConfig, patch_model, unpatch_model
-from vca_patch.adapters import adapter_for
-from vca_patch.adapters.hf_pvt_v1 import HFPvtV1Adapter
-from vca_patch.attention.reduced_vca import SpatialReductionVCA
-from vca_patch.attention.staged_carry import PAPER_MODE_NOTE
-from vca_patch.config import ConfigError, TargetConfig
+from vca_patch.core.errors import ConfigError
+from vca_patch.families import adapter_for
+from vca_patch.families.transformers.pvt_v1 import HFPvtV1Adapter
+from vca_patch.layers.staged_carry import PAPER_MODE_NOTE
 from vca_patch.surgery import inspect_model, patched_layers
+from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.vca.reduced import SpatialReductionVCA
 
 # Stage grids 16x16 (sr 4), 8x8 (sr 2), 4x4 + CLS (no reduction: transformers runs the CLS stage only so) at 64 px.
 PVT_V1 = {"hidden_sizes": [16, 24, 32], "depths": [1, 1, 2], "num_encoder_blocks": 3, "num_attention_heads": [1, 2, 2],

@@ -13,10 +13,10 @@ from tests.helpers_hierarchical import assert_state_restored, randomise_vca, rec
 from tests.models import trained_a_little
 from tests.reference_hierarchical import partition, reference_window_attention, reference_windowed_vca
 from vca_patch import PatchError, VCAConfig, VisualContrastAttention, patch_model, unpatch_model
-from vca_patch.adapters.timm_swin import BlockWindowEnd, BlockWindowHook
-from vca_patch.attention.window_call import WindowCall
-from vca_patch.attention.window_vca import WindowedVCA
+from vca_patch.families.timm.swin import BlockWindowEnd, BlockWindowHook
+from vca_patch.layers.window_call import WindowCall
 from vca_patch.surgery import inspect_model, patched_layers
+from vca_patch.targets.vca.windowed import WindowedVCA
 
 # Stage grids 16/8/4 at 64 px; windows 4 (shifted by 2 in every second block of stages 1-2).
 SWIN_ARGS = {"img_size": 64, "embed_dim": 16, "depths": [2, 2, 2], "num_heads": [1, 2, 4], "window_size": 4,

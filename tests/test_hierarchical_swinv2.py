@@ -16,9 +16,9 @@ from tests.models import trained_a_little
 from tests.reference_hierarchical import partition
 from tests.reference_swinv2 import reference_cosine_vca, reference_cosine_window_attention
 from vca_patch import PatchError, VCAConfig, patch_model, unpatch_model
-from vca_patch.attention.window_call import WindowCall
-from vca_patch.attention.window_vca import WindowedVCA
+from vca_patch.layers.window_call import WindowCall
 from vca_patch.surgery import inspect_model, patched_layers
+from vca_patch.targets.vca.windowed import WindowedVCA
 
 # Stage grids 16/8/4 at 64 px; windows 4 (shifted by 2 in every second block of stages 1-2).
 TIMM_ARGS = {"img_size": 64, "embed_dim": 16, "depths": [2, 2, 2], "num_heads": [1, 2, 4], "window_size": 4,

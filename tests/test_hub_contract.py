@@ -15,13 +15,12 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import vca_patch
+from tests.models import tiny
+from tests.test_hub_fakehub import TOKEN
 from vca_patch import VCAConfig, patch_model
+from vca_patch.checkpoint.folder import CheckpointError
 from vca_patch.cli import app
 from vca_patch.hub import HubAuthError, HubError, HubUnavailableError, InvalidRepoIdError, RepoNotFoundError
-from vca_patch.io.checkpoint import CheckpointError
-
-from .models import tiny
-from .test_hub_fakehub import TOKEN
 
 REPO = "acme/deit-tiny-vca"
 

@@ -12,13 +12,12 @@ from huggingface_hub import ModelCard, constants
 from safetensors.torch import load_file, save_file
 
 import vca_patch
+from tests.models import tiny
 from vca_patch import VCAConfig, patch_model
+from vca_patch.checkpoint.delta import DeltaError
+from vca_patch.checkpoint.folder import CheckpointError
+from vca_patch.checkpoint.model_card import recipe_metadata, render_model_card
 from vca_patch.hub import HubUnavailableError, InvalidRepoIdError
-from vca_patch.io.checkpoint import CheckpointError
-from vca_patch.io.delta import DeltaError
-from vca_patch.io.model_card import recipe_metadata, render_model_card
-
-from .models import tiny
 
 CONFIG = VCAConfig(contrast_tokens=4)
 

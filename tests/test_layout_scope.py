@@ -8,7 +8,7 @@ import torch
 
 from tests.test_half_precision import _randomised
 from vca_patch import VisualContrastAttention, patch_model, unpatch_model
-from vca_patch.attention import TokenLayout
+from vca_patch.layers.layout import TokenLayout
 from vca_patch.surgery.patch import get_patch_state
 
 

@@ -18,22 +18,21 @@ from huggingface_hub import constants
 from safetensors.torch import save_file
 
 import vca_patch
+from tests.models import tiny
+from tests.test_hub_contract import _point_at
+from tests.test_hub_fakehub import FakeHub
 from vca_patch import VCAConfig, patch_model
-from vca_patch.adapters.hf_vision import HFVisionAdapter
-from vca_patch.adapters.timm_vit import TimmViTAdapter
-from vca_patch.io import checkpoint as checkpoint_module
-from vca_patch.io import delta as delta_module
-from vca_patch.io import load_base_model
-from vca_patch.io.config_guard import (
+from vca_patch.checkpoint import delta as delta_module
+from vca_patch.checkpoint import folder as checkpoint_module
+from vca_patch.checkpoint import load_base_model
+from vca_patch.checkpoint.config_guard import (
     UnsafeConfigError,
     check_transformers_config,
     local_name_or_path_removed,
 )
-from vca_patch.io.delta import DeltaError
-
-from .models import tiny
-from .test_hub_contract import _point_at
-from .test_hub_fakehub import FakeHub
+from vca_patch.checkpoint.delta import DeltaError
+from vca_patch.families.timm.vit import TimmViTAdapter
+from vca_patch.families.transformers.vision import HFVisionAdapter
 
 transformers = pytest.importorskip("transformers")
 
@@ -266,7 +265,7 @@ def test_source_config_architecture_must_be_a_model_class(tmp_path):
     transformers.ViTModel(transformers.ViTConfig(**SMALL_HF)).save_pretrained(tmp_path / "vit")
     config = json.loads((tmp_path / "vit" / "config.json").read_text())
     (tmp_path / "vit" / "config.json").write_text(json.dumps({**config, "architectures": ["pipeline"]}))
-    with pytest.raises(vca_patch.io.UnknownModelError, match=r"architectures\[0\] = 'pipeline' is not allowed"):
+    with pytest.raises(vca_patch.checkpoint.UnknownModelError, match=r"architectures\[0\] = 'pipeline' is not allowed"):
         load_base_model(str(tmp_path / "vit"), pretrained=False)
 
 
@@ -368,9 +367,9 @@ def test_torch_files_load_weights_only_and_never_run_code(tmp_path):
     marker = tmp_path / "code-ran"
     evil = tmp_path / "evil.pt"
     torch.save({**model.state_dict(), "payload": _RunsCode(marker)}, evil)
-    with pytest.raises(vca_patch.io.WeightsMismatchError, match=r"not a weights-only torch checkpoint.*GLOBAL"):
+    with pytest.raises(vca_patch.checkpoint.WeightsMismatchError, match=r"not a weights-only torch checkpoint.*GLOBAL"):
         load_base_model("deit_tiny_patch16_224", weights=evil, model_args=args)
     patch_model(model, VCAConfig(contrast_tokens=4))
-    with pytest.raises(vca_patch.io.WeightsMismatchError, match="not a weights-only torch checkpoint"):
+    with pytest.raises(vca_patch.checkpoint.WeightsMismatchError, match="not a weights-only torch checkpoint"):
         vca_patch.save_pretrained(model, tmp_path / "d", model_args=args, form="delta", base_weights=evil)
     assert not marker.exists() and not (tmp_path / "d").exists()

@@ -14,13 +14,16 @@ import vca_patch
 from tests.helpers_real_weights import load_dinov2_or_skip, quick_cosines
 from tests.reference_vca import reference_vca
 from tests.test_vca_attention import _randomised
-from vca_patch.attention import TokenLayout, VisualContrastAttention, fused_cpu, neighbourhood
-from vca_patch.attention.neighbourhood import neighbourhood_attention
-from vca_patch.config import ConfigError, VCAConfig
+from vca_patch.core.errors import ConfigError
+from vca_patch.layers.layout import TokenLayout
 from vca_patch.recovery import calibrate
 from vca_patch.recovery.calibrate import _pre_proj
 from vca_patch.recovery.capture import capture_original_layers, original_attention, patched_modules
 from vca_patch.surgery import get_patch_state
+from vca_patch.targets.vca import fused_cpu, neighbourhood
+from vca_patch.targets.vca.config import VCAConfig
+from vca_patch.targets.vca.layer import VisualContrastAttention
+from vca_patch.targets.vca.neighbourhood import neighbourhood_attention
 
 timm = pytest.importorskip("timm")
 

@@ -6,8 +6,10 @@ from timm.layers import Attention
 from torch import nn
 
 from tests.reference_mano import reference_mano
-from vca_patch.attention import CarriedAttention, MultipoleAttention, TokenLayout
-from vca_patch.attention.multipole_levels import auto_num_levels, plan_levels, vcycle_coefficients, vcycle_weights
+from vca_patch.layers.carried import CarriedAttention
+from vca_patch.layers.layout import TokenLayout
+from vca_patch.targets.mano.layer import MultipoleAttention
+from vca_patch.targets.mano.levels import auto_num_levels, plan_levels, vcycle_coefficients, vcycle_weights
 
 
 def _randomised(module: MultipoleAttention) -> MultipoleAttention:

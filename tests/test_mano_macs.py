@@ -3,9 +3,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from vca_patch.attention import MultipoleAttention, TokenLayout
-from vca_patch.attention.mano_macs import mano_attention_macs, mano_macs_from_config
-from vca_patch.config import MANOConfig
+from vca_patch.layers.layout import TokenLayout
+from vca_patch.targets.mano.config import MANOConfig
+from vca_patch.targets.mano.layer import MultipoleAttention
+from vca_patch.targets.mano.macs import mano_attention_macs, mano_macs_from_config
 
 
 @pytest.mark.parametrize(

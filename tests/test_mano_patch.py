@@ -8,7 +8,7 @@ import vca_patch
 from tests.models import tiny, trained_a_little
 from vca_patch import ConfigError, MANOConfig, MultipoleAttention, TargetConfig, patch_model, unpatch_model
 from vca_patch.cli import app
-from vca_patch.fidelity import compare_outputs
+from vca_patch.eval.fidelity import compare_outputs
 
 
 def _outputs(model, x):

@@ -15,9 +15,9 @@ from tests.models import trained_a_little
 from tests.reference_hierarchical import partition, reference_window_attention
 from tests.reference_mano import reference_mano
 from vca_patch import MANOConfig, patch_model, unpatch_model
-from vca_patch.attention.window_call import WindowCall
-from vca_patch.attention.window_mano import WindowedMultipole
+from vca_patch.layers.window_call import WindowCall
 from vca_patch.surgery import inspect_model, patched_layers
+from vca_patch.targets.mano.windowed import WindowedMultipole
 
 SWIN_ARGS = {"img_size": 64, "embed_dim": 16, "depths": [2, 2, 2], "num_heads": [1, 2, 4], "window_size": 4,
              "dynamic_img_size": True}  # fmt: skip

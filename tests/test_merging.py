@@ -12,9 +12,10 @@ from torch import nn
 from transformers import Dinov2Config, Dinov2Model
 
 from vca_patch import patch_model, unpatch_model
-from vca_patch.attention import VisualContrastAttention
-from vca_patch.config import ConfigError, TargetConfig
-from vca_patch.merging import MergeConfig, MergingAttention
+from vca_patch.core.errors import ConfigError
+from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.merge import MergeConfig, MergingAttention
+from vca_patch.targets.vca.layer import VisualContrastAttention
 
 
 def _timm_vit(depth: int = 4) -> nn.Module:

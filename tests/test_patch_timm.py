@@ -7,9 +7,9 @@ import torch
 import vca_patch
 from tests.models import tiny
 from vca_patch import NothingToPatchError, PatchError, VCAConfig, VisualContrastAttention, patch_model, unpatch_model
-from vca_patch.adapters.timm_vit import TimmViTAdapter
-from vca_patch.attention import TokenLayout
-from vca_patch.config import ConfigError
+from vca_patch.core.errors import ConfigError
+from vca_patch.families.timm.vit import TimmViTAdapter
+from vca_patch.layers.layout import TokenLayout
 
 
 def _layouts_seen(model):

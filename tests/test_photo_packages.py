@@ -13,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from vca_patch.real_weights.photo_packages import (
+from dinov2_weights.photo_packages import (
     CACHE_ENV,
     PhotoPackage,
     PhotosUnavailableError,
@@ -22,7 +21,7 @@ from vca_patch.real_weights.photo_packages import (
     package_photos,
     select_images,
 )
-from vca_patch.real_weights.photos import (
+from dinov2_weights.photos import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     PhotoCrops,

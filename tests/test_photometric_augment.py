@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from vca_patch.real_weights.augment import PhotometricAugment
-from vca_patch.real_weights.photos import IMAGENET_MEAN, IMAGENET_STD, PhotoCrops
+from dinov2_weights.augment import PhotometricAugment
+from dinov2_weights.photos import IMAGENET_MEAN, IMAGENET_STD, PhotoCrops
 
 OFF = {"jitter_p": 0.0, "grayscale_p": 0.0, "blur_p": 0.0}
 

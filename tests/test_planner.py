@@ -13,8 +13,7 @@ from typer.testing import CliRunner
 
 from vca_patch import patch_model, unpatch_model
 from vca_patch.cli.app import app
-from vca_patch.config import ConfigError
-from vca_patch.merging import MergeConfig
+from vca_patch.core.errors import ConfigError
 from vca_patch.planner import (
     Candidate,
     ModelInfo,
@@ -33,6 +32,7 @@ from vca_patch.planner import (
 from vca_patch.planner.costs import LatencyTable, measure_latency_table, plan_macs, token_counts
 from vca_patch.planner.planner import apply_plan
 from vca_patch.planner.sensitivity import Loss, Sensitivity
+from vca_patch.targets.merge import MergeConfig
 
 RES = 56  # 4x4 patches of 14 px + CLS
 

@@ -11,9 +11,7 @@ from typer.testing import CliRunner
 
 from tests.test_planner import RES, _image_folder, _info, _synthetic, _tiny
 from vca_patch import patch_model, unpatch_model
-from vca_patch.attention import VisualContrastAttention
 from vca_patch.cli.app import app
-from vca_patch.config import VCAConfig
 from vca_patch.planner import (
     Candidate,
     PlanError,
@@ -29,6 +27,8 @@ from vca_patch.planner import planner as planner_module
 from vca_patch.planner.costs import measure_latency_table, plan_macs
 from vca_patch.planner.planner import apply_plan
 from vca_patch.planner.sensitivity import measure_sensitivity
+from vca_patch.targets.vca.config import VCAConfig
+from vca_patch.targets.vca.layer import VisualContrastAttention
 
 
 def test_the_flop_model_counts_the_local_term_of_each_vca_block():

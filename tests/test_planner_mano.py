@@ -11,11 +11,8 @@ from typer.testing import CliRunner
 
 from tests.test_merging import _hf_dinov2, _reference_image, _timm_parts, _timm_reference, _timm_vit
 from vca_patch import from_pretrained, patch_model, unpatch_model
-from vca_patch.attention import MultipoleAttention, VisualContrastAttention
-from vca_patch.attention.mano_macs import mano_attention_macs
 from vca_patch.cli.app import app
-from vca_patch.config import ConfigError, TargetConfig
-from vca_patch.merging import MergeConfig, MergingAttention
+from vca_patch.core.errors import ConfigError
 from vca_patch.planner import (
     Candidate,
     ModelInfo,
@@ -29,6 +26,11 @@ from vca_patch.planner import (
 )
 from vca_patch.planner.costs import LatencyTable, measure_latency_table, plan_macs, token_counts
 from vca_patch.planner.sensitivity import Loss, Sensitivity, measure_sensitivity
+from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.mano.layer import MultipoleAttention
+from vca_patch.targets.mano.macs import mano_attention_macs
+from vca_patch.targets.merge import MergeConfig, MergingAttention
+from vca_patch.targets.vca.layer import VisualContrastAttention
 
 RES = 56  # 4x4 patches of 14 px + CLS
 

@@ -8,10 +8,7 @@ import statistics
 import numpy as np
 import pytest
 import torch
-from torch import nn
-
-from vca_patch.data.fashion_mnist import DEFAULT_ROOT
-from vca_patch.real_weights.probe import (
+from dinov2_weights.probe import (
     LinearProbe,
     domain_photos,
     fashion_mnist_images,
@@ -19,6 +16,9 @@ from vca_patch.real_weights.probe import (
     paired_share,
     probe_features,
 )
+from torch import nn
+
+from vca_patch.data.fashion_mnist import DEFAULT_ROOT
 
 
 def test_paired_share_against_a_hand_computation():

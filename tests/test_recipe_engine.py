@@ -14,8 +14,8 @@ import torch
 
 import vca_patch
 from tests.recovery_helpers import TINY_ARGS, head_less_pair, needs_fashion_mnist, probe_images, trained_tiny_vit
-from vca_patch.fidelity import fidelity
-from vca_patch.io.checkpoint import read_checkpoint_config
+from vca_patch.checkpoint.folder import read_checkpoint_config
+from vca_patch.eval.fidelity import fidelity
 from vca_patch.recovery import calibrate
 from vca_patch.train import TrainingDiverged, finetune, recipe_from_dict, run_recipe, teacher_from
 from vca_patch.train import objective as objective_module

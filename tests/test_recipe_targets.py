@@ -9,7 +9,7 @@ import torch
 
 import vca_patch
 from tests.recovery_helpers import TINY_ARGS, needs_fashion_mnist, probe_images, trained_tiny_vit
-from vca_patch.fidelity import fidelity
+from vca_patch.eval.fidelity import fidelity
 from vca_patch.recovery import calibrate
 from vca_patch.train import finetune, recipe_from_dict, run_recipe, teacher_from
 from vca_patch.train.params import parameter_groups

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 import vca_patch
 from tests.recovery_helpers import needs_fashion_mnist, probe_images, trained_tiny_vit
-from vca_patch.attention import TokenLayout, VisualContrastAttention
-from vca_patch.fidelity import fidelity
+from vca_patch.eval.fidelity import fidelity
+from vca_patch.layers.layout import TokenLayout
 from vca_patch.recovery import calibrate
+from vca_patch.targets.vca.layer import VisualContrastAttention
 from vca_patch.train.params import clamp_lambda
 
 pytestmark = needs_fashion_mnist
@@ -185,7 +186,7 @@ def test_calibration_and_fidelity_create_every_tensor_on_the_model_device():
     """With torch's default device set to "meta", a tensor created without the model's device (torch.eye(10),
     torch.tensor(...)) lands on meta and the next op with a CPU tensor raises: the run completing shows that
     calibrate / fidelity / probe_batch take every device from their inputs."""
-    from vca_patch.fidelity import probe_batch
+    from vca_patch.eval.fidelity import probe_batch
 
     model = _patched_tiny()
     x = torch.randn(8, 1, 28, 28)

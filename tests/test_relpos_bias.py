@@ -12,7 +12,7 @@ import transformers
 from torch import nn
 
 from vca_patch import PatchError, VCAConfig, patch_model
-from vca_patch.adapters.timm_vit import TimmViTAdapter
+from vca_patch.families.timm.vit import TimmViTAdapter
 from vca_patch.surgery import inspect_model
 
 TINY = {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2}

@@ -155,7 +155,7 @@ def test_convert_into_the_current_folder_is_refused_and_leaves_no_debris(tmp_pat
 
 
 def test_staged_directory_resolves_a_relative_name_and_cleans_up_after_a_failure(tmp_path, monkeypatch):
-    from vca_patch.io.atomic import UnsafeOutputError, staged_directory
+    from vca_patch.core.atomic import UnsafeOutputError, staged_directory
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sub").mkdir()

@@ -17,7 +17,10 @@ from hypothesis import strategies as st
 
 from tests.reference_mano import reference_mano
 from tests.reference_vca import reference_vca
-from vca_patch.attention import MultipoleAttention, TokenLayout, VisualContrastAttention, fused_cpu
+from vca_patch.layers.layout import TokenLayout
+from vca_patch.targets.mano.layer import MultipoleAttention
+from vca_patch.targets.vca import fused_cpu
+from vca_patch.targets.vca.layer import VisualContrastAttention
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # Relative error (Frobenius) to the float64 reference, a few times the worst measured over 600 examples each.

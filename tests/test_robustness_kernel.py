@@ -10,7 +10,9 @@ import torch
 
 from tests.reference_vca import reference_vca
 from tests.test_vca_attention import _randomised
-from vca_patch.attention import TokenLayout, VisualContrastAttention, fused_cpu
+from vca_patch.layers.layout import TokenLayout
+from vca_patch.targets.vca import fused_cpu
+from vca_patch.targets.vca.layer import VisualContrastAttention
 
 pytestmark = pytest.mark.skipif(not fused_cpu.kernel_available(), reason=f"kernel: {fused_cpu.kernel_status()}")
 
@@ -28,7 +30,8 @@ def test_an_empty_batch_in_a_fresh_interpreter_returns_an_empty_batch():
     script = textwrap.dedent(
         """
         import torch
-        from vca_patch.attention import TokenLayout, VisualContrastAttention, fused_cpu
+        from vca_patch.layers.layout import TokenLayout
+        from vca_patch.targets.vca import VisualContrastAttention, fused_cpu
         assert fused_cpu.kernel_available()
         layer = VisualContrastAttention(32, 4, contrast_grid=(3, 3)).eval()
         q, k, v = (torch.randn(0, 4, 50, 8) for _ in range(3))

@@ -126,7 +126,7 @@ def test_convert_calibrates_on_images_it_does_not_measure_on(tmp_path, monkeypat
     """The calibration set and the held-out set are disjoint (both used to be the eval split)."""
     from vca_patch.cli.fidelity import calibrate_for_convert
 
-    fidelity_module = importlib.import_module("vca_patch.fidelity")  # the module (the package re-exports a function)
+    fidelity_module = importlib.import_module("vca_patch.eval.fidelity")
     recovery = importlib.import_module("vca_patch.recovery")
     seen: dict[str, set[bytes]] = {}
 
@@ -183,7 +183,7 @@ def test_values_that_are_not_numbers_name_their_key(tmp_path, stage, message):
 def test_convert_calibrates_on_the_named_split_and_measures_on_the_other(tmp_path, monkeypatch):
     from vca_patch.cli.fidelity import calibrate_for_convert
 
-    fidelity_module = importlib.import_module("vca_patch.fidelity")
+    fidelity_module = importlib.import_module("vca_patch.eval.fidelity")
     recovery = importlib.import_module("vca_patch.recovery")
     seen: dict[str, int] = {}
 
@@ -283,7 +283,7 @@ def test_every_command_a_help_text_names_exists(monkeypatch, capsys):
 
 
 def test_the_card_of_random_weights_says_so_and_names_its_target(tmp_path):
-    from vca_patch.didb import DIDBConfig
+    from vca_patch.targets.didb import DIDBConfig
 
     cards = {}
     for name, config in {"vca": vca_patch.VCAConfig(contrast_tokens=4), "mano": vca_patch.MANOConfig(),
@@ -309,7 +309,7 @@ def test_the_card_of_random_weights_says_so_and_names_its_target(tmp_path):
 
 
 def test_a_transformers_card_installs_the_hf_extra_and_pretrained_weights_keep_their_tag():
-    from vca_patch.io.model_card import render_model_card
+    from vca_patch.checkpoint.model_card import render_model_card
 
     meta = {
         "base": {"library": "transformers", "architecture": "google/vit-base-patch16-224", "license": None},

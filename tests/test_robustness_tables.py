@@ -19,8 +19,8 @@ from vca_patch.bench.report import ratios_table, results_table
 from vca_patch.cli import app
 from vca_patch.cli.fidelity import layers_table, measured_table, summary_table
 from vca_patch.cli.report_view import sites_table, totals_table
-from vca_patch.fidelity import compare_outputs
-from vca_patch.fidelity import fidelity as measure
+from vca_patch.eval.fidelity import compare_outputs
+from vca_patch.eval.fidelity import fidelity as measure
 from vca_patch.surgery import inspect_model
 
 WIDTH = 80

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vca_patch.attention.sdpa import scaled_dot_product_attention
+from vca_patch.layers.sdpa import scaled_dot_product_attention
 
 
 def _inputs(seed: int = 0, L: int = 37, S: int = 53) -> tuple[torch.Tensor, ...]:

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from vca_patch.config import ConfigError
-from vca_patch.spatial_tokens import (
+from vca_patch.core.errors import ConfigError
+from vca_patch.targets.llava_sp import (
     CroppingSpatialTokens,
     PoolingSpatialTokens,
     SpatialTokensConfig,
@@ -25,7 +25,7 @@ from vca_patch.spatial_tokens import (
     remove_spatial_tokens,
     save_spatial_tokens,
 )
-from vca_patch.spatial_tokens.tiny import IMAGE_TOKEN_ID, tiny_llava, tiny_processor
+from vca_patch.targets.llava_sp.tiny import IMAGE_TOKEN_ID, tiny_llava, tiny_processor
 
 pytest.importorskip("transformers")
 
@@ -359,7 +359,7 @@ def test_dtype_follows_the_projector():
 
 
 def test_convert_function_for_the_cli(tmp_path):
-    from vca_patch.spatial_tokens.convert import convert_to_llava_sp
+    from vca_patch.targets.llava_sp.convert import convert_to_llava_sp
 
     source = tmp_path / "llava"
     tiny_llava().save_pretrained(source)

@@ -11,19 +11,18 @@ from huggingface_hub import ModelCard
 from typer.testing import CliRunner
 
 import vca_patch
+from tests.test_hub_contract import _go_offline
 from vca_patch import VCAConfig, patch_model
+from vca_patch.checkpoint.folder import CheckpointError
 from vca_patch.cli import app
-from vca_patch.io.checkpoint import CheckpointError
-from vca_patch.spatial_tokens import (
+from vca_patch.targets.llava_sp import (
     SpatialTokensConfig,
     add_spatial_tokens,
     get_spatial_projector,
     load_spatial_tokens,
     save_spatial_tokens,
 )
-from vca_patch.spatial_tokens.tiny import IMAGE_TOKEN_ID, tiny_llava, tiny_processor
-
-from .test_hub_contract import _go_offline
+from vca_patch.targets.llava_sp.tiny import IMAGE_TOKEN_ID, tiny_llava, tiny_processor
 
 pytest.importorskip("transformers")
 

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from vca_patch import VCAConfig, patch_model
 from vca_patch.cli import app
-from vca_patch.spatial_tokens import SpatialTokensConfig, add_spatial_tokens, save_spatial_tokens
-from vca_patch.spatial_tokens.plan import plan_spatial_tokens, projector_rows
-from vca_patch.spatial_tokens.tiny import tiny_llava
+from vca_patch.targets.llava_sp import SpatialTokensConfig, add_spatial_tokens, save_spatial_tokens
+from vca_patch.targets.llava_sp.plan import plan_spatial_tokens, projector_rows
+from vca_patch.targets.llava_sp.tiny import tiny_llava
 
 pytest.importorskip("transformers")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from vca_patch import VCAConfig, patch_model, unpatch_model
-from vca_patch.config import ConfigError
-from vca_patch.spatial_tokens import (
+from vca_patch.core.errors import ConfigError
+from vca_patch.targets.llava_sp import (
     SpatialTokensConfig,
     add_spatial_tokens,
     apply_stage2_lora,
@@ -22,8 +22,8 @@ from vca_patch.spatial_tokens import (
     stage1_parameters,
     stage2_param_groups,
 )
-from vca_patch.spatial_tokens.recipe import load_recipe, recipe_from_dict
-from vca_patch.spatial_tokens.tiny import IMAGE_TOKEN_ID, tiny_llava
+from vca_patch.targets.llava_sp.recipe import load_recipe, recipe_from_dict
+from vca_patch.targets.llava_sp.tiny import IMAGE_TOKEN_ID, tiny_llava
 
 pytest.importorskip("transformers")
 

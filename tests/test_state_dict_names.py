@@ -16,9 +16,9 @@ from torch import nn
 import vca_patch
 from tests.custom_models import PlainViT
 from vca_patch import MANOConfig, VCAConfig, patch_model, unpatch_model
-from vca_patch.attention import fused_cpu
-from vca_patch.attention.fused_qkv import QKVWithSeparateBias, SplitQKV
+from vca_patch.layers.fused_qkv import QKVWithSeparateBias, SplitQKV
 from vca_patch.surgery import get_patch_state
+from vca_patch.targets.vca import fused_cpu
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,11 +17,14 @@ import vca_patch
 from tests.helpers_real_weights import load_dinov2_or_skip, quick_cosines
 from tests.reference_vca import reference_vca
 from tests.test_vca_attention import _randomised
-from vca_patch.attention import TokenLayout, VisualContrastAttention, fused_cpu
-from vca_patch.config import ConfigError, VCAConfig
+from vca_patch.core.errors import ConfigError
+from vca_patch.layers.layout import TokenLayout
 from vca_patch.recovery import calibrate
 from vca_patch.recovery.calibrate import _converted_inputs
 from vca_patch.recovery.capture import capture_original_layers, patched_modules
+from vca_patch.targets.vca import fused_cpu
+from vca_patch.targets.vca.config import VCAConfig
+from vca_patch.targets.vca.layer import VisualContrastAttention
 
 timm = pytest.importorskip("timm")
 
@@ -201,7 +204,7 @@ def test_hierarchical_stages_save_the_gain_as_off():
 
 
 def test_a_merge_plan_saves_its_vca_blocks_gain_as_built(tmp_path):
-    from vca_patch.merging import MergeConfig
+    from vca_patch.targets.merge import MergeConfig
 
     model = _tiny_vit()
     config = MergeConfig(schedule=[0, 2, 2], vca_layers={0: 4})  # vca options left automatic

@@ -1,4 +1,4 @@
-"""The engine's per-image evaluation (what gather_for_metrics collects) reproduces `vca_patch.fidelity`."""
+"""The engine's per-image evaluation (what gather_for_metrics collects) reproduces `vca_patch.eval.fidelity`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import vca_patch
 from tests.recovery_helpers import tiny_vit
-from vca_patch.fidelity import fidelity
+from vca_patch.eval.fidelity import fidelity
 from vca_patch.train import evaluate, teacher_from
 
 

@@ -3,8 +3,10 @@ import torch
 import torch.nn.functional as F
 
 from tests.reference_vca import reference_vca
-from vca_patch.attention import TokenLayout, VisualContrastAttention, fused_cpu
-from vca_patch.attention.grid_pool import adaptive_avg_pool_tokens
+from vca_patch.layers.grid_pool import adaptive_avg_pool_tokens
+from vca_patch.layers.layout import TokenLayout
+from vca_patch.targets.vca import fused_cpu
+from vca_patch.targets.vca.layer import VisualContrastAttention
 
 
 def _randomised(module: VisualContrastAttention) -> VisualContrastAttention:
@@ -207,7 +209,7 @@ def test_training_saves_no_more_than_softmax_attention(grid):
 
 
 def test_rms_norm_backward_matches_autograd_of_the_formula():
-    from vca_patch.attention.vca import _RMSNormFunction
+    from vca_patch.targets.vca.layer import _RMSNormFunction
 
     x = torch.randn(2, 5, 3, 8, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(8, dtype=torch.float64, requires_grad=True)
@@ -231,7 +233,7 @@ def test_float32_inference_paths_match_float64_reference(batch, num_prefix, kern
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 def test_fused_conv_add_kernel_is_taken_and_exact():
-    from vca_patch.attention.local_conv import _fused_kernel_usable, add_conv_
+    from vca_patch.layers.local_conv import _fused_kernel_usable, add_conv_
 
     conv = torch.nn.Conv2d(16, 16, 3, padding=1, groups=16)
     tokens = torch.randn(1, 1 + 35, 16)  # one prefix row, then a 5x7 grid

@@ -10,8 +10,10 @@ import torch
 
 from tests.reference_vca import reference_vca
 from tests.test_vca_attention import _randomised
-from vca_patch.attention import TokenLayout, VisualContrastAttention, fused_cpu
-from vca_patch.attention.fused_qkv import QKVWithSeparateBias, SplitQKV
+from vca_patch.layers.fused_qkv import QKVWithSeparateBias, SplitQKV
+from vca_patch.layers.layout import TokenLayout
+from vca_patch.targets.vca import fused_cpu
+from vca_patch.targets.vca.layer import VisualContrastAttention
 
 if os.environ.get("VCA_PATCH_REQUIRE_CPU_KERNEL") == "1" and not fused_cpu.kernel_available():  # `make test` sets it
     raise RuntimeError(f"VCA_PATCH_REQUIRE_CPU_KERNEL=1, but the kernel is unavailable: {fused_cpu.kernel_status()}")

@@ -1,16 +1,17 @@
 """vca-patch: convert pretrained vision transformers to Visual-Contrast Attention."""
 
-__version__ = "0.1.0"
-
-from .attention import MultipoleAttention, TokenLayout, VisualContrastAttention
-from .config import ConfigError, DIDBConfig, MANOConfig, TargetConfig, VCAConfig
-from .fidelity import FidelityReport, fidelity  # the function shadows the module name on the package
-from .hub import from_pretrained, push_to_hub
-from .io import save_pretrained
-from .merging import MergeConfig
-from .planner import load_plan
-from .recovery import calibrate
-from .spatial_tokens import (
+from vca_patch._version import __version__
+from vca_patch.checkpoint import save_pretrained
+from vca_patch.core.errors import ConfigError
+from vca_patch.eval.fidelity import FidelityReport, fidelity  # the function shadows the module name on the package
+from vca_patch.hub import from_pretrained, push_to_hub
+from vca_patch.layers.layout import TokenLayout
+from vca_patch.planner import load_plan
+from vca_patch.recovery import calibrate
+from vca_patch.surgery import NothingToPatchError, PatchError, PatchReport, patch_model, unpatch_model
+from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.didb.config import DIDBConfig
+from vca_patch.targets.llava_sp import (
     SpatialTokensConfig,
     add_spatial_tokens,
     image_token_count,
@@ -18,7 +19,11 @@ from .spatial_tokens import (
     remove_spatial_tokens,
     save_spatial_tokens,
 )
-from .surgery import NothingToPatchError, PatchError, PatchReport, patch_model, unpatch_model
+from vca_patch.targets.mano.config import MANOConfig
+from vca_patch.targets.mano.layer import MultipoleAttention
+from vca_patch.targets.merge import MergeConfig
+from vca_patch.targets.vca.config import VCAConfig
+from vca_patch.targets.vca.layer import VisualContrastAttention
 
 __all__ = [
     "ConfigError",

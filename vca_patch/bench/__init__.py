@@ -1,8 +1,8 @@
 """Benchmarks of original vs patched models: analytic MACs, interleaved latency, peak memory."""
 
-from .crossover import crossover
-from .errors import BenchError
-from .flops import (
+from vca_patch.bench.crossover import crossover
+from vca_patch.bench.errors import BenchError
+from vca_patch.bench.flops import (
     ATTENTION_MACS,
     AttentionShape,
     ModelShape,
@@ -13,10 +13,10 @@ from .flops import (
     softmax_attention_macs,
     vca_attention_macs,
 )
-from .memory import peak_mib
-from .sweep import BenchSettings, check_resolutions, run_sweep
-from .timing import time_interleaved
-from .variants import ORIGINAL, UNFUSED, Variant, build_variants
+from vca_patch.bench.memory import peak_mib
+from vca_patch.bench.sweep import BenchSettings, check_resolutions, run_sweep
+from vca_patch.bench.timing import time_interleaved
+from vca_patch.bench.variants import ORIGINAL, UNFUSED, Variant, build_variants
 
 __all__ = [
     "ATTENTION_MACS",

@@ -11,14 +11,14 @@ import torch
 from rich.table import Table
 from torch import nn
 
-from .timing import median, time_interleaved
+from vca_patch.bench.timing import median, time_interleaved
 
 FORMS = ("float Linear", "float emulation", "packed xnor")
 
 
 def _shapes(model: nn.Module) -> Counter:
     """(in_features, out_features, bias) -> how many binarised Linears of the DIDB-patched `model` have it."""
-    from ..didb.packed import _slots
+    from vca_patch.targets.didb.packed import _slots
 
     shapes: Counter = Counter()
     for slot in _slots(model):
@@ -43,9 +43,9 @@ def compare_binary_linears(
 ) -> dict[str, Any]:
     """Time each binarised Linear shape of a DIDB-patched float `model` on `rows` tokens (float32, CPU) in the three
     forms; memory = weight (or sign bits + scales) and bias bytes. Also checks kernel == emulation bit for bit."""
-    from ..didb import kernel
-    from ..didb.binary import BinaryWeight, binary_forward
-    from ..didb.packed import pack_weight
+    from vca_patch.targets.didb import kernel
+    from vca_patch.targets.didb.binary import BinaryWeight, binary_forward
+    from vca_patch.targets.didb.packed import pack_weight
 
     g = torch.Generator().manual_seed(seed)
     shapes, per_shape, identical = _shapes(model), [], True

@@ -18,15 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention import fused_cpu
-from ..config import TargetConfig
-from ..surgery import patch_model
-from .crossover import crossover
-from .errors import BenchError
-from .flops import AttentionShape, attention_macs
-from .memory import peak_mib
-from .sweep import DTYPES
-from .timing import median, time_interleaved
+from vca_patch.bench.crossover import crossover
+from vca_patch.bench.errors import BenchError
+from vca_patch.bench.flops import AttentionShape, attention_macs
+from vca_patch.bench.memory import peak_mib
+from vca_patch.bench.sweep import DTYPES
+from vca_patch.bench.timing import median, time_interleaved
+from vca_patch.surgery import patch_model
+from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.vca import fused_cpu
 
 VAE_FACTOR = 8
 ORIGINAL = "original"

@@ -18,76 +18,20 @@ original attention. A second target (e.g. "mano") adds one function in its own m
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from ..attention import TokenLayout
-
-
-@dataclass(frozen=True)
-class AttentionShape(TokenLayout):
-    """One attention layer's problem size: a token layout (P prefix tokens + an H×W grid), C channels, M heads."""
-
-    dim: int
-    num_heads: int
-
-
-AttentionMacs = Callable[[AttentionShape, Any], float]
-ATTENTION_MACS: dict[str, AttentionMacs] = {}
-
-
-def register_attention_macs(target: str) -> Callable[[AttentionMacs], AttentionMacs]:
-    """Decorator: `fn(shape, config) -> MACs` of one attention layer of `target` (config may be None)."""
-
-    def wrap(fn: AttentionMacs) -> AttentionMacs:
-        ATTENTION_MACS[target] = fn
-        return fn
-
-    return wrap
-
-
-def attention_macs(target: str, shape: AttentionShape, config: Any = None) -> float:
-    """MACs of one attention layer (the part between the projections) of `target`."""
-    try:
-        fn = ATTENTION_MACS[target]
-    except KeyError:
-        raise KeyError(f"no analytic MAC count for target {target!r}; known: {sorted(ATTENTION_MACS)}") from None
-    return fn(shape, config)
-
-
-@register_attention_macs("softmax")
-def softmax_attention_macs(shape: AttentionShape, config: Any = None) -> float:
-    """2·N²·C: the N×N logits and the attention-weighted values."""
-    return 2.0 * shape.num_tokens**2 * shape.dim
-
-
-def vca_attention_macs(
-    shape: AttentionShape,
-    contrast_tokens: int,
-    *,
-    sdpa: bool = True,
-    exact_prefix: bool = False,
-    local_window: int = 0,
-) -> float:
-    """8·n·N·C + 9·H·W·C (7·n·N·C with sdpa=False), plus 2·P·N·C for an exact prefix read-out and
-    2·H·W·(P + k²)·C for a local term of k = local_window (each patch's logits and values over P + k² keys)."""
-    N, C, n = shape.num_tokens, shape.dim, contrast_tokens
-    macs = (8.0 if sdpa else 7.0) * n * N * C + 9.0 * shape.num_patches * C
-    if exact_prefix:
-        macs += 2.0 * shape.num_prefix_tokens * N * C
-    if local_window:
-        macs += 2.0 * shape.num_patches * (shape.num_prefix_tokens + local_window**2) * C
-    return macs
-
-
-@register_attention_macs("vca")
-def _vca_from_config(shape: AttentionShape, config: Any) -> float:
-    n = getattr(config, "contrast_tokens", 49)
-    exact = getattr(config, "prefix_readout", "contrast") == "exact"
-    return vca_attention_macs(shape, n, exact_prefix=exact, local_window=getattr(config, "local_window", 0))
+from vca_patch.layers.macs import (  # noqa: F401  (re-exported: the registry lives with the layers)
+    ATTENTION_MACS,
+    AttentionMacs,
+    AttentionShape,
+    attention_macs,
+    register_attention_macs,
+    softmax_attention_macs,
+)
+from vca_patch.targets.vca.macs import vca_attention_macs  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -109,7 +53,7 @@ class ModelShape:
 
 def model_shape(model: nn.Module) -> ModelShape:
     """Read a timm ViT-style model (`blocks`, `patch_embed`, `num_prefix_tokens`); BenchError for any other."""
-    from .errors import BenchError
+    from vca_patch.bench.errors import BenchError
 
     missing = [a for a in ("blocks", "patch_embed", "num_prefix_tokens", "embed_dim") if not hasattr(model, a)]
     if missing or not len(model.blocks) or not hasattr(model.blocks[0], "attn"):
@@ -148,10 +92,3 @@ def model_macs(shape: ModelShape, resolution: tuple[int, int], target: str = "so
         total += layer.num_tokens * shape.linear_macs_per_token
         total += attention_macs(target if patched else "softmax", layer, config)
     return total
-
-
-@register_attention_macs("mano")
-def _mano_from_config(shape: AttentionShape, config: Any) -> float:
-    from ..attention.mano_macs import mano_macs_from_config
-
-    return mano_macs_from_config(shape, config)

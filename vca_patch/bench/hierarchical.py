@@ -24,10 +24,12 @@ from rich.table import Table
 from torch import nn
 from torch.utils import flop_counter
 
-from ..attention import fused_cpu
-from ..config import MANOConfig, TargetConfig, VCAConfig
-from .errors import BenchError
-from .timing import median, time_interleaved
+from vca_patch.bench.errors import BenchError
+from vca_patch.bench.timing import median, time_interleaved
+from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.mano.config import MANOConfig
+from vca_patch.targets.vca import fused_cpu
+from vca_patch.targets.vca.config import VCAConfig
 
 FAMILIES = {"swin": "swin", "pvt_v2": "pvt"}  # timm name prefix -> family
 FINDINGS = {
@@ -111,7 +113,7 @@ def run_hierarchical_sweep(
 ) -> dict[str, Any]:
     """Measure every variant of a timm Swin / PVTv2 model at every resolution (CPU, float32; the fused VCA kernel
     where it applies). Returns a JSON-safe {"meta", "rows"}."""
-    from ..surgery import patch_model
+    from vca_patch.surgery import patch_model
 
     fam = family(model_name)
     if fam is None:

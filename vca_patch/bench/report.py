@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
-from ..io.atomic import atomic_write_text
+from vca_patch.core.atomic import atomic_write_text
 
 
 def _fmt(value: float | None, spec: str) -> str:

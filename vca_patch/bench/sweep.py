@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from ..attention import fused_cpu
-from .crossover import crossover
-from .errors import BenchError
-from .flops import ModelShape, model_macs, model_shape
-from .memory import peak_mib
-from .timing import median, time_interleaved
-from .variants import ORIGINAL, UNFUSED, Variant
+from vca_patch.bench.crossover import crossover
+from vca_patch.bench.errors import BenchError
+from vca_patch.bench.flops import ModelShape, model_macs, model_shape
+from vca_patch.bench.memory import peak_mib
+from vca_patch.bench.timing import median, time_interleaved
+from vca_patch.bench.variants import ORIGINAL, UNFUSED, Variant
+from vca_patch.targets.vca import fused_cpu
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -10,11 +10,11 @@ from typing import Any
 
 from torch import nn
 
-from ..config import TargetConfig
-from ..io import load_base_model
-from ..surgery import patch_model
-from .errors import BenchError
-from .flops import model_shape
+from vca_patch.bench.errors import BenchError
+from vca_patch.bench.flops import model_shape
+from vca_patch.checkpoint import load_base_model
+from vca_patch.surgery import patch_model
+from vca_patch.targets.base import TargetConfig
 
 ORIGINAL = "original"
 UNFUSED = "original-unfused"

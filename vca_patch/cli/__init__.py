@@ -1,5 +1,5 @@
 """The `vca-patch` command line."""
 
-from .app import app, main
+from vca_patch.cli.app import app, main
 
 __all__ = ["app", "main"]

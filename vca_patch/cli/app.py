@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import typer
 
-from .bench import bench
-from .convert import convert
-from .fidelity import fidelity
-from .finetune import finetune
-from .inspect import inspect
-from .plan import plan
-from .push import push
+from vca_patch.cli.bench import bench
+from vca_patch.cli.convert import convert
+from vca_patch.cli.fidelity import fidelity
+from vca_patch.cli.finetune import finetune
+from vca_patch.cli.inspect import inspect
+from vca_patch.cli.plan import plan
+from vca_patch.cli.push import push
 
 app = typer.Typer(
     name="vca-patch",
@@ -31,7 +31,7 @@ app.command()(push)
 @app.command()
 def version() -> None:
     """Print the vca-patch version."""
-    from .. import __version__
+    from vca_patch._version import __version__
 
     typer.echo(__version__)
 

@@ -8,9 +8,10 @@ from typing import Annotated
 
 import typer
 
-from ..config import CONFIG_TYPES, ConfigError, TargetConfig
-from .bench_timing import BenchTiming
-from .common import DEVICE_HELP, console, fail, parse_layers, prepare_cpu_kernel, resolve_device
+from vca_patch.cli.bench_timing import BenchTiming
+from vca_patch.cli.common import DEVICE_HELP, console, fail, parse_layers, prepare_cpu_kernel, resolve_device
+from vca_patch.core.errors import ConfigError
+from vca_patch.targets.base import CONFIG_TYPES, TargetConfig
 
 
 def _parse_ints(spec: str, option: str) -> list[int]:
@@ -77,24 +78,24 @@ def bench(
 ) -> None:
     """Latency, throughput, peak memory and analytic MACs of MODEL, original vs patched, per resolution."""
 
-    from ..bench import BenchError, BenchSettings, build_variants, check_resolutions, model_shape, run_sweep
-    from ..bench.hierarchical import family
-    from ..bench.report import crossover_lines, ratios_table, results_table, write_json, write_plot
-    from ..bench.sweep import DTYPES
-    from ..io import UnknownModelError
-    from ..surgery import PatchError
-    from .bench_hierarchical import bench_hierarchical
+    from vca_patch.bench import BenchError, BenchSettings, build_variants, check_resolutions, model_shape, run_sweep
+    from vca_patch.bench.hierarchical import family
+    from vca_patch.bench.report import crossover_lines, ratios_table, results_table, write_json, write_plot
+    from vca_patch.bench.sweep import DTYPES
+    from vca_patch.checkpoint import UnknownModelError
+    from vca_patch.cli.bench_hierarchical import bench_hierarchical
+    from vca_patch.surgery import PatchError
 
     if dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", 2)
-    from ..bench.diffusion import DIFFUSION_MODELS
+    from vca_patch.bench.diffusion import DIFFUSION_MODELS
 
     timing = BenchTiming(
         batch=batch, device=device, dtype=dtype, repeats=repeats, min_time=min_time, warmup=warmup, threads=threads
     )
 
     if model in DIFFUSION_MODELS:  # a diffusers DiT shape: latent token counts, one denoising step per call
-        from .bench_diffusion import bench_diffusion
+        from vca_patch.cli.bench_diffusion import bench_diffusion
 
         default = resolutions == "224,512,1024,2048"
         return bench_diffusion(
@@ -161,7 +162,7 @@ def bench(
         console.print(line)
     didb = next((v for v in variants if v.target == "didb" and v.name == "didb"), None)
     if didb is not None and device == "cpu":  # the binarised Linears three ways (the XNOR kernel is CPU-only)
-        from ..bench.binary_linears import binary_linears_table, compare_binary_linears
+        from vca_patch.bench.binary_linears import binary_linears_table, compare_binary_linears
 
         tokens = batch * result["results"][0]["tokens"]
         result["didb_linears"] = compare_binary_linears(

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from ..config import TargetConfig
-from .bench_timing import BenchTiming
-from .common import console, fail, prepare_cpu_kernel, resolve_device
+from vca_patch.cli.bench_timing import BenchTiming
+from vca_patch.cli.common import console, fail, prepare_cpu_kernel, resolve_device
+from vca_patch.targets.base import TargetConfig
 
 
 def bench_diffusion(
@@ -21,8 +21,8 @@ def bench_diffusion(
     json_path: Path | None,
 ) -> None:
     """Time MODEL (a `bench.diffusion.DIFFUSION_MODELS` shape, random weights) and print the crossover."""
-    from ..bench import BenchError
-    from ..bench.diffusion import (
+    from vca_patch.bench import BenchError
+    from vca_patch.bench.diffusion import (
         DEFAULT_RESOLUTIONS,
         DiffusionBenchSettings,
         check_diffusion_bench,
@@ -30,7 +30,7 @@ def bench_diffusion(
         diffusion_table,
         run_diffusion_bench,
     )
-    from ..bench.report import write_json
+    from vca_patch.bench.report import write_json
 
     device = str(resolve_device(timing.device))
     settings = DiffusionBenchSettings(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .bench_timing import BenchTiming
-from .common import console, fail, prepare_cpu_kernel
+from vca_patch.cli.bench_timing import BenchTiming
+from vca_patch.cli.common import console, fail, prepare_cpu_kernel
 
 DEFAULT_RESOLUTIONS = [224, 512, 1024]  # 2048 px is a 512×512 stage-1 grid: minutes per forward on CPU
 
@@ -20,9 +20,9 @@ def bench_hierarchical(
     """Run and print the hierarchical sweep (`bench.hierarchical`); CPU float32 only."""
     import torch
 
-    from ..bench import BenchError
-    from ..bench.hierarchical import hierarchical_table, run_hierarchical_sweep
-    from ..bench.report import write_json
+    from vca_patch.bench import BenchError
+    from vca_patch.bench.hierarchical import hierarchical_table, run_hierarchical_sweep
+    from vca_patch.bench.report import write_json
 
     if timing.device != "cpu" or timing.dtype != "float32":
         fail(

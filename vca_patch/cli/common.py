@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from ..surgery import PatchReport
+    from vca_patch.surgery import PatchReport
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEVICE_HELP = "auto (cuda if available, else cpu), cpu, cuda or cuda:N"
@@ -54,7 +54,7 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 def prepare_cpu_kernel() -> None:
     """Load VCA's fused CPU kernel under a spinner (compiled on the first run), not silently in a first forward."""
-    from ..attention import fused_cpu
+    from vca_patch.targets.vca import fused_cpu
 
     if fused_cpu.kernel_status() == "fused (not built yet)":
         with console.status("Loading VCA's fused CPU kernel (compiled on the first run, 10–30 s)..."):
@@ -88,7 +88,7 @@ def parse_layers(spec: str | None) -> list[int] | None:
 def parse_stage_tokens(spec: str | None) -> list[int] | None:
     """'9,16,49,49' -> [9, 16, 49, 49] (contrast tokens per stage of a hierarchical model); None -> None.
     A ConfigError names a malformed list (the callers print it as one line)."""
-    from ..config import ConfigError
+    from vca_patch.core.errors import ConfigError
 
     if spec is None:
         return None
@@ -149,8 +149,8 @@ RESIZABLE_TRANSFORMERS = ("dinov2", "dinov2_with_registers")
 def check_img_size(net: nn.Module, name: str, img_size: int | None) -> None:
     """A transformers model takes its image size from its config: refuse an --img-size that differs from it, except
     for models that interpolate their position table on every forward (DINOv2), whose config then records it."""
-    from ..fidelity import model_input_size
-    from ..io.base_model import is_transformers_source
+    from vca_patch.checkpoint.base_model import is_transformers_source
+    from vca_patch.core.model_io import model_input_size
 
     if img_size is None or not is_transformers_source(name):
         return
@@ -185,8 +185,8 @@ def _without_given_hint(message: str, *, pretrained: bool, weights: Path | None)
 
 def load_base(name: str, *, pretrained: bool, weights: Path | None, img_size: int | None) -> nn.Module:
     """The model to convert or inspect, at --img-size; every expected failure exits with one clear line."""
-    from ..io import HubUnavailableError, UnknownModelError, WeightsMismatchError, load_base_model
-    from ..io.base_model import is_transformers_source
+    from vca_patch.checkpoint import HubUnavailableError, UnknownModelError, WeightsMismatchError, load_base_model
+    from vca_patch.checkpoint.base_model import is_transformers_source
 
     model_args = img_size_args(img_size)
     if is_transformers_source(name):

@@ -8,16 +8,9 @@ from typing import Annotated
 import torch
 import typer
 
-from ..adapters import diffusers_probe as dfp
-from ..adapters import diffusers_source as dfs
-from ..config import ConfigError, MANOConfig, TargetConfig, VCAConfig
-from ..didb import DIDBConfig
-from ..fidelity import compare_outputs, probe_batch
-from ..io import OutputExistsError, save_pretrained
-from ..io.atomic import UnsafeOutputError, check_output_dir, check_output_outside_inputs, foreign_entries
-from ..io.checkpoint import CARD_NAME, CONFIG_NAME, FORMS
-from ..surgery import PatchError, get_patch_state, patch_model
-from .common import (
+from vca_patch.checkpoint import OutputExistsError, save_pretrained
+from vca_patch.checkpoint.folder import CARD_NAME, CONFIG_NAME, FORMS
+from vca_patch.cli.common import (
     DEVICE_HELP,
     DTYPE_HELP,
     PVT_MODE_HELP,
@@ -34,8 +27,18 @@ from .common import (
     resolve_dtype,
     warn_contrast_grid,
 )
-from .fidelity import calibrate_for_convert, check_calibration_splits, summary_table
-from .report_view import sites_table, totals_table
+from vca_patch.cli.fidelity import calibrate_for_convert, check_calibration_splits, summary_table
+from vca_patch.cli.report_view import sites_table, totals_table
+from vca_patch.core.atomic import UnsafeOutputError, check_output_dir, check_output_outside_inputs, foreign_entries
+from vca_patch.core.errors import ConfigError
+from vca_patch.core.model_io import compare_outputs, probe_batch
+from vca_patch.families.diffusers import probe as dfp
+from vca_patch.families.diffusers import source as dfs
+from vca_patch.surgery import PatchError, get_patch_state, patch_model
+from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.didb import DIDBConfig
+from vca_patch.targets.mano.config import MANOConfig
+from vca_patch.targets.vca.config import VCAConfig
 
 CHECKPOINT_FILES = (CONFIG_NAME, CARD_NAME, *FORMS.values())  # what a checkpoint folder holds
 
@@ -181,7 +184,7 @@ def convert(
                 raise ConfigError(f"{name} must be at least 1 image, got {value}")
         config: TargetConfig
         if plan is not None:
-            from ..planner import load_plan
+            from vca_patch.planner import load_plan
 
             config = load_plan(plan)
         elif to == "vca":
@@ -271,10 +274,10 @@ def _convert_llava_sp(
     model: str, output: Path, pretrained: bool, variant: str, num_tokens: int, seed: int, force: bool
 ) -> None:
     """`convert --to llava-sp`: add spatial tokens to a LLaVA's projector and save model, tokens and processor."""
-    from ..io.base_model import HubUnavailableError, UnknownModelError
-    from ..spatial_tokens import SpatialTokensConfig
-    from ..spatial_tokens.convert import convert_to_llava_sp
-    from ..spatial_tokens.model import SpatialTokensError
+    from vca_patch.checkpoint.base_model import HubUnavailableError, UnknownModelError
+    from vca_patch.targets.llava_sp import SpatialTokensConfig
+    from vca_patch.targets.llava_sp.convert import convert_to_llava_sp
+    from vca_patch.targets.llava_sp.model import SpatialTokensError
 
     try:
         config = SpatialTokensConfig(variant=variant, num_tokens=num_tokens, seed=seed)

@@ -8,16 +8,16 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..bench.report import write_json
-from .common import DEVICE_HELP, DTYPE_HELP, console, fail, resolve_device, resolve_dtype
+from vca_patch.bench.report import write_json
+from vca_patch.cli.common import DEVICE_HELP, DTYPE_HELP, console, fail, resolve_device, resolve_dtype
 
 KINDS = ("fashion_mnist", "imagefolder", "hf")
 
 
 def data_spec(kind: str | None, path: str | None, split: str, limit: int | None, option: str = "--data-kind"):
     """A DataSpec for one evaluation split given on the command line; without `kind`, inferred from `path`."""
-    from ..data import DatasetError, infer_kind
-    from ..train.recipe import DataSpec
+    from vca_patch.data import DatasetError, infer_kind
+    from vca_patch.train.recipe import DataSpec
 
     if kind is None:
         try:
@@ -56,11 +56,11 @@ def fidelity(
     import torch
     from torch.utils.data import DataLoader
 
-    from ..data import DatasetError, build_dataset
-    from ..fidelity import fidelity as measure
-    from ..fidelity import model_input_size
-    from ..io import CheckpointError, from_pretrained
-    from ..train.finetune import teacher_from
+    from vca_patch.checkpoint import CheckpointError, from_pretrained
+    from vca_patch.core.model_io import model_input_size
+    from vca_patch.data import DatasetError, build_dataset
+    from vca_patch.eval.fidelity import fidelity as measure
+    from vca_patch.train.finetune import teacher_from
 
     if limit < 1:
         fail(f"--limit must be at least 1 image, got {limit}", 2)
@@ -125,8 +125,8 @@ def diffusion_fidelity(model, reference, data: str | None, limit: int, json_out:
     `limit` latents (the folder `data` of .pt/.safetensors, or random ones) at random timesteps and conditions."""
     import torch
 
-    from ..data import DatasetError
-    from ..fidelity import diffusion_fidelity as measure
+    from vca_patch.data import DatasetError
+    from vca_patch.eval.fidelity import diffusion_fidelity as measure
 
     where = f"latents of {data}" if data else "random latents"
     with console.status(f"Measuring on {limit} {where}..."), torch.no_grad():
@@ -177,11 +177,11 @@ def calibrate_for_convert(
     import torch
     from torch.utils.data import DataLoader, Subset
 
-    from ..attention import VisualContrastAttention
-    from ..data import DatasetError, build_dataset
-    from ..fidelity import fidelity as measure
-    from ..fidelity import model_input_size
-    from ..recovery import calibrate
+    from vca_patch.core.model_io import model_input_size
+    from vca_patch.data import DatasetError, build_dataset
+    from vca_patch.eval.fidelity import fidelity as measure
+    from vca_patch.recovery import calibrate
+    from vca_patch.targets.vca.layer import VisualContrastAttention
 
     if data is None:
         with torch.no_grad():
@@ -213,8 +213,8 @@ def calibrate_for_convert(
 def check_calibration_splits(root: Path, kind: str | None, split: str, eval_split: str) -> None:
     """Exit with one line when an ImageFolder lacks either split, or both name one sub-folder (calibration would be
     measured on its own images). Other data kinds pass (their loaders check their splits)."""
-    from ..data import DatasetError, infer_kind
-    from ..data.imagefolder import split_folder
+    from vca_patch.data import DatasetError, infer_kind
+    from vca_patch.data.imagefolder import split_folder
 
     try:
         if (kind or infer_kind(root)) != "imagefolder":

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .common import console, fail
+from vca_patch.cli.common import console, fail
 
 RUN_FILES = ("model.safetensors", "config.json", "README.md", "metrics.json", "checkpoints")
 
@@ -26,8 +26,8 @@ def _is_run(output: Path) -> bool:
 
 def check_finetune_output(converted: Path, recipe: Path, spec, output: Path, *, resume: bool, force: bool) -> None:
     """Exit with one line when --output would change an input, land in a foreign folder, or restart a run."""
-    from ..io.atomic import UnsafeOutputError, check_output_outside_inputs
-    from ..train.checkpoints import latest_checkpoint
+    from vca_patch.core.atomic import UnsafeOutputError, check_output_outside_inputs
+    from vca_patch.train.checkpoints import latest_checkpoint
 
     data = Path(spec.data.path) if spec.data.path and Path(spec.data.path).exists() else None
     inputs = {"converted checkpoint": converted, "recipe": recipe, "dataset": data}
@@ -79,13 +79,13 @@ def finetune(
     Runs on one device as is, or on several with `accelerate launch -m vca_patch finetune ...`
     (or torchrun); every stage runs on the chosen device, under the chosen autocast dtype.
     """
-    from ..data import DatasetError
-    from ..io import CheckpointError
-    from ..train import RecipeError, TrainingDiverged, load_recipe
-    from ..train import finetune as run
-    from ..train.checkpoints import latest_checkpoint
-    from ..train.engine import make_accelerator
-    from ..train.finetune import TrainingInterrupted, resume_point
+    from vca_patch.checkpoint import CheckpointError
+    from vca_patch.data import DatasetError
+    from vca_patch.train import RecipeError, TrainingDiverged, load_recipe
+    from vca_patch.train import finetune as run
+    from vca_patch.train.checkpoints import latest_checkpoint
+    from vca_patch.train.engine import make_accelerator
+    from vca_patch.train.finetune import TrainingInterrupted, resume_point
 
     try:
         spec = load_recipe(recipe)

@@ -8,12 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..adapters.diffusers_dit import describe_sites
-from ..adapters.diffusers_probe import is_diffusers_model
-from ..config import ConfigError, MANOConfig, TargetConfig, VCAConfig
-from ..spatial_tokens.plan import projector_table
-from ..surgery import PatchError, inspect_model
-from .common import (
+from vca_patch.cli.common import (
     PVT_MODE_HELP,
     STAGE_TOKENS_HELP,
     SWIN_MODE_HELP,
@@ -24,7 +19,15 @@ from .common import (
     parse_stage_tokens,
     warn_contrast_grid,
 )
-from .report_view import sites_table, totals_table
+from vca_patch.cli.report_view import sites_table, totals_table
+from vca_patch.core.errors import ConfigError
+from vca_patch.families.diffusers.dit import describe_sites
+from vca_patch.families.diffusers.probe import is_diffusers_model
+from vca_patch.surgery import PatchError, inspect_model
+from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.llava_sp.plan import projector_table
+from vca_patch.targets.mano.config import MANOConfig
+from vca_patch.targets.vca.config import VCAConfig
 
 
 def inspect(

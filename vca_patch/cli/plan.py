@@ -11,11 +11,11 @@ import torch
 import typer
 from rich.table import Table
 
-from ..config import ConfigError
-from ..planner import PLAN_UNMERGE_MODES, PlanError, PlanResult, draw_front, plan_model, save_plan
-from ..planner.costs import token_counts
-from ..planner.images import image_files, load_images
-from .common import console, fail, load_base
+from vca_patch.cli.common import console, fail, load_base
+from vca_patch.core.errors import ConfigError
+from vca_patch.planner import PLAN_UNMERGE_MODES, PlanError, PlanResult, draw_front, plan_model, save_plan
+from vca_patch.planner.costs import token_counts
+from vca_patch.planner.images import image_files, load_images
 
 
 def _numbers(text: str, kind: type, name: str) -> list:

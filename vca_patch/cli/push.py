@@ -7,9 +7,9 @@ from typing import Annotated
 
 import typer
 
-from ..hub import HubAuthError, HubError, HubUnavailableError, InvalidRepoIdError, push_to_hub
-from ..io import CheckpointError
-from .common import console, fail
+from vca_patch.checkpoint import CheckpointError
+from vca_patch.cli.common import console, fail
+from vca_patch.hub import HubAuthError, HubError, HubUnavailableError, InvalidRepoIdError, push_to_hub
 
 
 def push(

@@ -6,8 +6,8 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from ..surgery import PatchReport
-from ..surgery.report import settings_items
+from vca_patch.surgery import PatchReport
+from vca_patch.surgery.report import settings_items
 
 
 def sites_table(report: PatchReport, *, dry_run: bool = False) -> Table:

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Subset
 
-from .errors import DatasetError
-from .fashion_mnist import DEFAULT_ROOT, FashionMNISTAsRGB, load_fashion_mnist
-from .imagefolder import load_imagefolder
+from vca_patch.data.errors import DatasetError
+from vca_patch.data.fashion_mnist import DEFAULT_ROOT, FashionMNISTAsRGB, load_fashion_mnist
+from vca_patch.data.imagefolder import load_imagefolder
 
 
 def _limit(dataset: Dataset, limit: int | None) -> Dataset:

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, TensorDataset
 
-from .errors import DatasetError
+from vca_patch.data.errors import DatasetError
 
 DEFAULT_ROOT = Path("/usr/share/datasets/fashion-mnist")
 CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch.utils.data import Dataset, Subset
 
-from .errors import DatasetError
+from vca_patch.data.errors import DatasetError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
 ALIASES = (("train", "training"), ("val", "validation", "valid", "test", "testing", "eval"))

@@ -1,10 +1,10 @@
 """The Hub layer, on top of io/: push checkpoints, load them by repo id, and the timm integration."""
 
-from . import timm_entrypoint
-from .errors import HubAuthError, HubError, HubUnavailableError, InvalidRepoIdError, RepoNotFoundError
-from .load import from_pretrained
-from .push import push_to_hub
-from .resolve import fetch_checkpoint, validate_repo_id
+from vca_patch.hub import timm_entrypoint
+from vca_patch.hub.errors import HubAuthError, HubError, HubUnavailableError, InvalidRepoIdError, RepoNotFoundError
+from vca_patch.hub.load import from_pretrained
+from vca_patch.hub.push import push_to_hub
+from vca_patch.hub.resolve import fetch_checkpoint, validate_repo_id
 
 timm_entrypoint.register()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..io.base_model import HubUnavailableError
+from vca_patch.checkpoint.base_model import HubUnavailableError
 
 LOGIN_HINT = "log in with `hf auth login` (formerly `huggingface-cli login`) or set the HF_TOKEN environment variable"
 

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..io import checkpoint
-from .errors import InvalidRepoIdError, RepoNotFoundError
-from .resolve import fetch_checkpoint, is_local
+from vca_patch.checkpoint import folder as checkpoint
+from vca_patch.hub.errors import InvalidRepoIdError, RepoNotFoundError
+from vca_patch.hub.resolve import fetch_checkpoint, is_local
 
 
 def from_pretrained(
@@ -31,7 +31,7 @@ def from_pretrained(
     "org/name@revision") / `base_state_dict` from the caller; a local path written in config.json is never
     followed by itself. A LLaVA-SP folder or repo (spatial_tokens.json) loads with its spatial tokens.
     """
-    from ..spatial_tokens.hub import fetch_spatial_folder, is_spatial_folder, load_spatial_folder
+    from vca_patch.targets.llava_sp.hub import fetch_spatial_folder, is_spatial_folder, load_spatial_folder
 
     base = {"base_weights": base_weights, "base_state_dict": base_state_dict}
     if is_local(repo_id_or_dir):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..io.checkpoint import (
+from vca_patch.checkpoint.folder import (
     CONFIG_NAME,
     FORMS,
     CheckpointError,
@@ -25,12 +25,12 @@ from ..io.checkpoint import (
     save_pretrained,
     weights_name,
 )
-from ..io.model_card import render_model_card
-from ..io.weights import WeightsMismatchError, read_state_dict
-from ..surgery import PatchError, get_patch_state
-from .errors import LOGIN_HINT, HubAuthError, HubError, HubUnavailableError
-from .resolve import hub_unreachable, validate_repo_id
-from .staging import stage_folder
+from vca_patch.checkpoint.model_card import render_model_card
+from vca_patch.core.weights import WeightsMismatchError, read_state_dict
+from vca_patch.hub.errors import LOGIN_HINT, HubAuthError, HubError, HubUnavailableError
+from vca_patch.hub.resolve import hub_unreachable, validate_repo_id
+from vca_patch.hub.staging import stage_folder
+from vca_patch.surgery import PatchError, get_patch_state
 
 
 def resolve_token(token: str | None) -> str:
@@ -148,7 +148,7 @@ def push_to_hub(
     when a model is given.
     """
     repo_id = validate_repo_id(repo_id)
-    from ..spatial_tokens.hub import has_spatial_tokens, is_spatial_folder, push_spatial_tokens
+    from vca_patch.targets.llava_sp.hub import has_spatial_tokens, is_spatial_folder, push_spatial_tokens
 
     if has_spatial_tokens(model_or_dir) if isinstance(model_or_dir, nn.Module) else is_spatial_folder(model_or_dir):
         options = {"private": private, "token": token, "revision": revision, "commit_message": commit_message}

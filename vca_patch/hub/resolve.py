@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..io.base_model import hub_offline_reason
-from ..io.checkpoint import CONFIG_NAME, CheckpointError, check_checkpoint_config, weights_name
-from .errors import LOGIN_HINT, HubAuthError, HubUnavailableError, InvalidRepoIdError, RepoNotFoundError
+from vca_patch.checkpoint.base_model import hub_offline_reason
+from vca_patch.checkpoint.folder import CONFIG_NAME, CheckpointError, check_checkpoint_config, weights_name
+from vca_patch.hub.errors import LOGIN_HINT, HubAuthError, HubUnavailableError, InvalidRepoIdError, RepoNotFoundError
 
 
 def validate_repo_id(repo_id: Any) -> str:

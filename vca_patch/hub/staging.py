@@ -7,8 +7,8 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..io.atomic import atomic_write_text
-from ..io.checkpoint import CARD_NAME
+from vca_patch.checkpoint.folder import CARD_NAME
+from vca_patch.core.atomic import atomic_write_text
 
 
 def link_file(src: Path, dest: Path) -> None:

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..io.checkpoint import TIMM_ARCHITECTURE, build_model, read_checkpoint_config
-from .load import from_pretrained
-from .resolve import fetch_checkpoint
+from vca_patch.checkpoint.folder import TIMM_ARCHITECTURE, build_model, read_checkpoint_config
+from vca_patch.hub.load import from_pretrained
+from vca_patch.hub.resolve import fetch_checkpoint
 
 _IGNORED = ("pretrained_cfg_overlay", "pretrained_model_args", "cache_dir")
 

@@ -1,9 +1,9 @@
 """The conversion planner: per-layer sensitivity, a latency model, a search over softmax / VCA / MANO / merging."""
 
-from .front import draw_front
-from .model_info import ModelInfo, PlanError, model_info
-from .plan_file import load_plan, read_plan, save_plan
-from .planner import (
+from vca_patch.planner.front import draw_front
+from vca_patch.planner.model_info import ModelInfo, PlanError, model_info
+from vca_patch.planner.plan_file import load_plan, read_plan, save_plan
+from vca_patch.planner.planner import (
     PLAN_UNMERGE_MODES,
     PlanResult,
     apply_plan,
@@ -13,7 +13,7 @@ from .planner import (
     plan_model,
     planned_unmerge,
 )
-from .search import Candidate, candidates, choose, pareto
+from vca_patch.planner.search import Candidate, candidates, choose, pareto
 
 __all__ = [
     "PLAN_UNMERGE_MODES",

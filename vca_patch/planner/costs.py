@@ -10,15 +10,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..attention import TokenLayout
-from ..attention.mano_macs import mano_attention_macs
-from ..bench.flops import AttentionShape, vca_attention_macs
-from ..bench.timing import median, time_interleaved
-from ..config import MANOConfig, TargetConfig, VCAConfig
-from ..merging import MergeConfig
-from ..real_weights.load import final_tokens
-from ..surgery import get_patch_state, patch_model
-from .model_info import ModelInfo
+from vca_patch.bench.flops import AttentionShape, vca_attention_macs
+from vca_patch.bench.timing import median, time_interleaved
+from vca_patch.eval.final_tokens import final_tokens
+from vca_patch.layers.layout import TokenLayout
+from vca_patch.planner.model_info import ModelInfo
+from vca_patch.surgery import get_patch_state, patch_model
+from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.mano.config import MANOConfig
+from vca_patch.targets.mano.macs import mano_attention_macs
+from vca_patch.targets.merge import MergeConfig
+from vca_patch.targets.vca.config import VCAConfig
 
 
 def merged_away(tokens: int, prefix: int, r: int) -> int:

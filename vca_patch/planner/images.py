@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .model_info import PlanError
+from vca_patch.planner.model_info import PlanError
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..config import ConfigError
-from ..merging import MergeConfig
-from ..surgery import inspect_model
+from vca_patch.core.errors import ConfigError
+from vca_patch.surgery import inspect_model
+from vca_patch.targets.merge import MergeConfig
 
 
 class PlanError(ConfigError):
@@ -83,7 +83,7 @@ def block_inputs(model: nn.Module, info: ModelInfo, images: torch.Tensor) -> lis
     handles.append(info.blocks(model)[-1].register_forward_hook(lambda m, args, out: states.append(out.detach())))
     try:
         with torch.no_grad():
-            from ..real_weights.load import final_tokens
+            from vca_patch.eval.final_tokens import final_tokens
 
             final_tokens(model, images)
     finally:
@@ -95,8 +95,8 @@ def block_inputs(model: nn.Module, info: ModelInfo, images: torch.Tensor) -> lis
 @torch.no_grad()
 def run_from(model: nn.Module, info: ModelInfo, start: int, hidden: torch.Tensor, resolution: int) -> torch.Tensor:
     """Final normed tokens from the hidden state entering block `start` (blocks start.., then the final norm)."""
-    from ..attention import TokenLayout
-    from ..surgery import get_patch_state
+    from vca_patch.layers.layout import TokenLayout
+    from vca_patch.surgery import get_patch_state
 
     state = get_patch_state(model)
     scope = state.tracker.scope(TokenLayout(info.num_prefix_tokens, info.grid(resolution))) if state else nullcontext()

@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, TargetConfig
-from ..io.atomic import atomic_write_text
-from ..merging import MergeConfig
-from .model_info import PlanError
+from vca_patch.core.atomic import atomic_write_text
+from vca_patch.core.errors import ConfigError
+from vca_patch.planner.model_info import PlanError
+from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.merge import MergeConfig
 
 FORMAT = "vca-patch-plan"
 VERSION = 1

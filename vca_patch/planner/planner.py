@@ -10,17 +10,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention.neighbourhood import is_local_window
-from ..merging import MergeConfig
-from ..merging.config import UNMERGE_MODES
-from ..real_weights.measure import fidelity, latency, tokens
-from ..recovery.calibrate import calibrate as calibrate_model
-from ..surgery import patch_model
-from .costs import LatencyTable, measure_latency_table
-from .images import split_for_measurement
-from .model_info import ModelInfo, PlanError, model_info
-from .search import OBJECTIVES, Candidate, candidates, choose, pareto
-from .sensitivity import Sensitivity, measure_sensitivity
+from vca_patch.eval.final_tokens import fidelity, latency, tokens
+from vca_patch.planner.costs import LatencyTable, measure_latency_table
+from vca_patch.planner.images import split_for_measurement
+from vca_patch.planner.model_info import ModelInfo, PlanError, model_info
+from vca_patch.planner.search import OBJECTIVES, Candidate, candidates, choose, pareto
+from vca_patch.planner.sensitivity import Sensitivity, measure_sensitivity
+from vca_patch.recovery.calibrate import calibrate as calibrate_model
+from vca_patch.surgery import patch_model
+from vca_patch.targets.merge import MergeConfig
+from vca_patch.targets.merge.config import UNMERGE_MODES
+from vca_patch.targets.vca.neighbourhood import is_local_window
 
 DEFAULT_CONTRAST_TOKENS = (16, 49)
 DEFAULT_MERGE_FRACTIONS = (0.3, 0.5, 0.7, 0.85, 0.95)

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .costs import LatencyTable, plan_macs
-from .model_info import ModelInfo, PlanError
-from .sensitivity import Sensitivity
+from vca_patch.planner.costs import LatencyTable, plan_macs
+from vca_patch.planner.model_info import ModelInfo, PlanError
+from vca_patch.planner.sensitivity import Sensitivity
 
 OBJECTIVES = ("cls", "patch", "both")
 

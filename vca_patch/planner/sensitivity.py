@@ -17,14 +17,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..config import MANOConfig, VCAConfig
-from ..merging import MergeConfig
-from ..real_weights.measure import fidelity
-from ..recovery.calibrate import calibrate as calibrate_model
-from ..recovery.capture import capture_original_layers
-from ..surgery import get_patch_state, patch_model, unpatch_model
-from .images import split_for_measurement
-from .model_info import ModelInfo, block_inputs, run_from
+from vca_patch.eval.final_tokens import fidelity
+from vca_patch.planner.images import split_for_measurement
+from vca_patch.planner.model_info import ModelInfo, block_inputs, run_from
+from vca_patch.recovery.calibrate import calibrate as calibrate_model
+from vca_patch.recovery.capture import capture_original_layers
+from vca_patch.surgery import get_patch_state, patch_model, unpatch_model
+from vca_patch.targets.mano.config import MANOConfig
+from vca_patch.targets.merge import MergeConfig
+from vca_patch.targets.vca.config import VCAConfig
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Training-free recovery: teacher capture and closed-form calibration of converted models."""
 
-from .calibrate import CalibrationReport, LayerCalibration, calibrate
-from .capture import capture_original_layers, original_attention, patched_modules
+from vca_patch.recovery.calibrate import CalibrationReport, LayerCalibration, calibrate
+from vca_patch.recovery.capture import capture_original_layers, original_attention, patched_modules
 
 __all__ = [
     "CalibrationReport",

@@ -34,14 +34,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..adapters.call_shims import attention_output, call_tokens
-from ..attention import TokenLayout, VisualContrastAttention
-from ..attention.layout import tokens_to_grid
-from ..attention.neighbourhood import neighbourhood_attention
-from ..config import VCAConfig
-from ..fidelity import model_placement
-from ..surgery import PatchError, get_patch_state, patch_model, unpatch_model
-from .capture import LayerCapture, batch_images, capture_original_layers, original_attention, patched_modules
+from vca_patch.core.model_io import model_placement
+from vca_patch.families.call_shims import attention_output, call_tokens
+from vca_patch.layers.layout import TokenLayout, tokens_to_grid
+from vca_patch.recovery.capture import (
+    LayerCapture,
+    batch_images,
+    capture_original_layers,
+    original_attention,
+    patched_modules,
+)
+from vca_patch.surgery import PatchError, get_patch_state, patch_model, unpatch_model
+from vca_patch.targets.vca.config import VCAConfig
+from vca_patch.targets.vca.layer import VisualContrastAttention
+from vca_patch.targets.vca.neighbourhood import neighbourhood_attention
 
 DEFAULT_TEMPERATURES = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0)
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..adapters.call_shims import attention_output, call_tokens
-from ..attention import TokenLayout
-from ..fidelity import model_placement
-from ..surgery import PatchError, get_patch_state
+from vca_patch.core.model_io import model_placement
+from vca_patch.families.call_shims import attention_output, call_tokens
+from vca_patch.layers.layout import TokenLayout
+from vca_patch.surgery import PatchError, get_patch_state
 
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:

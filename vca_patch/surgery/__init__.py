@@ -1,6 +1,6 @@
 """Model surgery: walk, match, build, swap, report."""
 
-from .patch import (
+from vca_patch.surgery.patch import (
     NothingToPatchError,
     PatchError,
     PatchState,
@@ -10,7 +10,7 @@ from .patch import (
     patched_layers,
     unpatch_model,
 )
-from .report import PatchedSite, PatchReport
+from vca_patch.surgery.report import PatchedSite, PatchReport
 
 __all__ = [
     "NothingToPatchError",

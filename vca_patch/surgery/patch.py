@@ -9,21 +9,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite, adapter_for
-from ..attention.carried_module import keep_block_original, restore_block_edit
-from ..attention.layout import close_scope
-from ..config import ConfigError, TargetConfig, VCAConfig
-from .report import PatchedSite, PatchReport
-
-STATE_ATTR = "vca_patch_state"
-
-
-class PatchError(ValueError):
-    """The model cannot be patched as asked; nothing was changed."""
-
-
-class NothingToPatchError(PatchError):
-    """The model has no attention module that can be converted."""
+from vca_patch.core.errors import ConfigError, NothingToPatchError, PatchError
+from vca_patch.core.patch_state import STATE_ATTR, get_patch_state
+from vca_patch.families import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite, adapter_for
+from vca_patch.layers.carried_module import keep_block_original, restore_block_edit
+from vca_patch.layers.layout import close_scope
+from vca_patch.surgery.report import PatchedSite, PatchReport
+from vca_patch.targets import default_config
+from vca_patch.targets.base import TargetConfig
 
 
 @dataclass
@@ -41,10 +34,6 @@ class PatchState:
 
 def _count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def get_patch_state(model: nn.Module) -> PatchState | None:
-    return model.__dict__.get(STATE_ATTR)
 
 
 def _select(sites: list[AttentionSite], config: TargetConfig) -> tuple[list[AttentionSite], list[SkippedSite]]:
@@ -222,7 +211,7 @@ def _report(adapter, model, config, chosen, skipped, replacements, block_edits, 
 
 def inspect_model(model: nn.Module, config: TargetConfig | None = None, *, strict: bool = False) -> PatchReport:
     """Dry run: the report `patch_model` would give, leaving the model exactly as it is."""
-    config = config or VCAConfig()
+    config = config or default_config()
     adapter, chosen, skipped, replacements, block_edits, params_before = _plan(model, config, strict)
     _block_forwards(model, config, chosen)  # its checks
     return _report(adapter, model, config, chosen, skipped, replacements, block_edits, params_before)
@@ -236,7 +225,7 @@ def patch_model(model: nn.Module, config: TargetConfig | None = None, *, strict:
     built before any is swapped in, so an error leaves the model untouched. `strict=True` refuses
     approximate or unverified conversions. Returns what was patched and what was skipped, and why.
     """
-    config = config or VCAConfig()
+    config = config or default_config()
     if get_patch_state(model) is not None:
         raise PatchError("model is already patched; call vca_patch.unpatch_model(model) first")
     adapter, chosen, skipped, replacements, block_edits, params_before = _plan(model, config, strict)

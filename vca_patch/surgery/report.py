@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..adapters import SkippedSite
-from ..attention import TokenLayout
+from vca_patch.families import SkippedSite
+from vca_patch.layers.layout import TokenLayout
 
 
 def settings_items(settings: dict[str, Any]) -> list[str]:

@@ -23,12 +23,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from ..adapters.call_shims import attention_output
-from ..recovery.capture import patched_modules
-from ..surgery import get_patch_state
-from .diffusion_data import model_family
-from .diffusion_spec import DiffusionSpec
-from .objective import RecoveryObjective, register_stage_loss
+from vca_patch.families.call_shims import attention_output
+from vca_patch.recovery.capture import patched_modules
+from vca_patch.surgery import get_patch_state
+from vca_patch.train.diffusion_data import model_family
+from vca_patch.train.diffusion_spec import DiffusionSpec
+from vca_patch.train.objective import RecoveryObjective, register_stage_loss
 
 EVAL_BATCH = 16
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..data.errors import DatasetError
-from .diffusion_spec import DiffusionSpec
+from vca_patch.data.errors import DatasetError
+from vca_patch.train.diffusion_spec import DiffusionSpec
 
 FAMILIES = {
     "DiTTransformer2DModel": "dit",

@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from ..io import from_pretrained
-from ..io.checkpoint import read_checkpoint_config
-from ..io.model_card import recipe_metadata
-from .diffusion_data import latent_datasets, model_family
-from .engine import RunResult, run_recipe
-from .recipe import Recipe, RecipeError
+from vca_patch.checkpoint import from_pretrained
+from vca_patch.checkpoint.folder import read_checkpoint_config
+from vca_patch.checkpoint.model_card import recipe_metadata
+from vca_patch.train.diffusion_data import latent_datasets, model_family
+from vca_patch.train.engine import RunResult, run_recipe
+from vca_patch.train.recipe import Recipe, RecipeError
 
 
 def diffusion_card_metrics(metrics: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
@@ -34,7 +34,7 @@ def finetune_diffusion(
     converted: Path, recipe: Recipe, output: Path, *, resume: bool, stop_after_steps: int | None, accelerator: Any
 ) -> RunResult:
     """Run a diffusion `recipe` on the converted diffusers checkpoint `converted`; publish into `output`."""
-    from .finetune import TrainingInterrupted, mark_interrupted, publish, teacher_from
+    from vca_patch.train.finetune import TrainingInterrupted, mark_interrupted, publish, teacher_from
 
     meta = read_checkpoint_config(converted)
     student = from_pretrained(converted)

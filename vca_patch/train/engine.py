@@ -25,17 +25,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from ..config import ConfigError
-from ..io.atomic import atomic_write_text
-from ..recovery.calibrate import calibrate
-from ..surgery import get_patch_state
-from .checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, trainer_state
-from .diffusion import evaluate_diffusion
-from .evaluation import evaluate
-from .objective import RecoveryObjective
-from .optim import StageScheduler, stage_optimizer
-from .params import guard_lambdas, lambda_trace
-from .recipe import Recipe, RecipeError
+from vca_patch.core.atomic import atomic_write_text
+from vca_patch.core.errors import ConfigError
+from vca_patch.recovery.calibrate import calibrate
+from vca_patch.surgery import get_patch_state
+from vca_patch.train.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, trainer_state
+from vca_patch.train.diffusion import evaluate_diffusion
+from vca_patch.train.evaluation import evaluate
+from vca_patch.train.objective import RecoveryObjective
+from vca_patch.train.optim import StageScheduler, stage_optimizer
+from vca_patch.train.params import guard_lambdas, lambda_trace
+from vca_patch.train.recipe import Recipe, RecipeError
 
 MIXED_PRECISION = {"auto": "auto", "no": "no", "bf16": "bf16", "fp16": "fp16"}
 _ALIASES = {"float32": "no", "fp32": "no", "none": "no", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
@@ -303,7 +303,7 @@ def run_recipe(
     loader = _train_loader(train_set, tr.batch_size, recipe.data.num_workers, world, tr.seed)
     mixup = None
     if recipe.data.mixup > 0 or recipe.data.cutmix > 0:
-        from ..data import mixup_fn
+        from vca_patch.data import mixup_fn
 
         mixup = mixup_fn(recipe.data, num_classes)
     ema = _new_ema(student, tr.ema_decay) if tr.ema_decay > 0 else None

@@ -1,6 +1,6 @@
 """Fidelity of the student to the teacher on the eval set, sharded over processes and gathered per image.
 
-The numbers are `vca_patch.fidelity`'s (teacher-forced layer error, feature cosines, top-1): each process
+The numbers are `vca_patch.eval.fidelity`'s (teacher-forced layer error, feature cosines, top-1): each process
 computes per-image terms for its shard, `Accelerator.gather_for_metrics` collects them (dropping the
 padding of the last uneven batch) and every process reduces the same tensor.
 """
@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from ..fidelity import features_and_logits
-from ..recovery.capture import patched_modules
-from .forced import layer_outputs
-from .objective import per_image_error, recorded_layout, teacher_attention
+from vca_patch.core.model_io import features_and_logits
+from vca_patch.recovery.capture import patched_modules
+from vca_patch.train.forced import layer_outputs
+from vca_patch.train.objective import per_image_error, recorded_layout, teacher_attention
 
 EVAL_BATCH = 128
 

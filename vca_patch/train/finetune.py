@@ -13,16 +13,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data import DatasetError, build_dataset
-from ..fidelity import model_input_size
-from ..io import from_pretrained, save_pretrained
-from ..io.atomic import atomic_write_text
-from ..io.checkpoint import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, read_checkpoint_config
-from ..io.model_card import recipe_metadata
-from ..surgery import unpatch_model
-from .checkpoints import latest_checkpoint, trainer_state
-from .engine import RunResult, make_accelerator, run_recipe
-from .recipe import Recipe, load_recipe
+from vca_patch.checkpoint import from_pretrained, save_pretrained
+from vca_patch.checkpoint.folder import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, read_checkpoint_config
+from vca_patch.checkpoint.model_card import recipe_metadata
+from vca_patch.core.atomic import atomic_write_text
+from vca_patch.core.model_io import model_input_size
+from vca_patch.data import DatasetError, build_dataset
+from vca_patch.surgery import unpatch_model
+from vca_patch.train.checkpoints import latest_checkpoint, trainer_state
+from vca_patch.train.engine import RunResult, make_accelerator, run_recipe
+from vca_patch.train.recipe import Recipe, load_recipe
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -137,7 +137,7 @@ def finetune(
         mixed_precision or recipe.train.mixed_precision, device=device, grad_accum=recipe.train.grad_accum
     )
     if recipe.diffusion is not None:  # latents and diffusion losses instead of images (train.diffusion_finetune)
-        from .diffusion_finetune import finetune_diffusion
+        from vca_patch.train.diffusion_finetune import finetune_diffusion
 
         return finetune_diffusion(
             converted, recipe, output, resume=resume, stop_after_steps=stop_after_steps, accelerator=accelerator

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters.call_shims import _TOKEN_NAMES, attention_output
-from ..attention.layout import TokenLayout
-from ..surgery import PatchError, get_patch_state
+from vca_patch.families.call_shims import _TOKEN_NAMES, attention_output
+from vca_patch.layers.layout import TokenLayout
+from vca_patch.surgery import PatchError, get_patch_state
 
 
 def layers_run_alone(student: nn.Module) -> bool:

@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..adapters.call_shims import attention_output, call_tokens
-from ..attention.layout import TokenLayout
-from ..fidelity import features_and_logits
-from ..recovery.capture import patched_modules
-from ..surgery import get_patch_state
-from .forced import layer_outputs
-from .recipe import StageSpec
+from vca_patch.core.model_io import features_and_logits
+from vca_patch.families.call_shims import attention_output, call_tokens
+from vca_patch.layers.layout import TokenLayout
+from vca_patch.recovery.capture import patched_modules
+from vca_patch.surgery import get_patch_state
+from vca_patch.train.forced import layer_outputs
+from vca_patch.train.recipe import StageSpec
 
 
 @contextlib.contextmanager
@@ -227,4 +227,4 @@ def register_stage_loss(kind: str) -> Callable[[StageLoss], StageLoss]:
     return wrap
 
 
-from . import diffusion as _diffusion  # noqa: E402, F401  (registers "distill_diffusion")
+from vca_patch.train import diffusion as _diffusion  # noqa: E402, F401  (registers "distill_diffusion")

@@ -9,8 +9,8 @@ from timm.scheduler.cosine_lr import CosineLRScheduler
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from .params import parameter_groups
-from .recipe import StageSpec
+from vca_patch.train.params import parameter_groups
+from vca_patch.train.recipe import StageSpec
 
 
 def stage_optimizer(model: nn.Module, stage: StageSpec) -> torch.optim.AdamW:

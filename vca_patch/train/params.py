@@ -7,11 +7,11 @@ import math
 import torch
 from torch import nn
 
-from ..adapters.diffusers_processor import NEW_PARAMETERS
-from ..attention import VisualContrastAttention
-from ..attention.carried_module import CarriesOriginal
-from ..attention.differential_lambda import DifferentialLambda
-from ..surgery import get_patch_state
+from vca_patch.families.diffusers.processor import NEW_PARAMETERS
+from vca_patch.layers.carried_module import CarriesOriginal
+from vca_patch.surgery import get_patch_state
+from vca_patch.targets.vca.differential_lambda import DifferentialLambda
+from vca_patch.targets.vca.layer import VisualContrastAttention
 
 GROUPS = ("new", "lambda", "carried", "rest")
 LAMBDA_ROUNDOFF = 1e-5  # float32 round-off of λ after a clamp: the guard leaves λ within this of its bounds

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from .diffusion_spec import DiffusionSpec, check_diffusion_spec
+from vca_patch.train.diffusion_spec import DiffusionSpec, check_diffusion_spec
 
 
 class RecipeError(ValueError):

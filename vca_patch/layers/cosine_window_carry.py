@@ -1,0 +1,25 @@
+"""Carried SwinV2 window attention: cosine attention with a per-head logit scale and a continuous position bias.
+
+As Swin's `CarriedWindowAttention`, plus the logit scale (kept in both modes: the VCA branch stays cosine) and the
+CPB MLP with its coordinate table and pair index (kept by the "residual" mode only), under the original names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vca_patch.layers.staged_carry import CarriedWindowAttention
+
+
+@dataclass
+class CarriedCosineWindowAttention(CarriedWindowAttention):
+    """SwinV2 window attention: qkv (a view over q/k/v or qkv + q_bias/v_bias), proj, logit scale and CPB."""
+
+    logit_scale: nn.Parameter | None = None
+    position_mlp: nn.Module | None = None
+    coords_table: torch.Tensor | None = None
+    position_index: torch.Tensor | None = None
+    cosine_names: tuple[str, str] = ("logit_scale", "cpb_mlp")  # the original module's names for both

@@ -1,0 +1,131 @@
+"""The target interface: `TargetConfig` (plain data + the hooks surgery calls) and the target registry.
+
+A target registers itself by subclassing `TargetConfig` with a `target` name; nothing here imports a target."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch import nn
+
+from vca_patch.core.errors import ConfigError
+from vca_patch.layers.carried import CarriedAttention
+
+CONFIG_TYPES: dict[str, type[TargetConfig]] = {}
+
+
+@dataclass
+class TargetConfig:
+    """Base of every target attention's config: layer selection, seed, JSON round trip.
+
+    Subclasses set `target`, add their fields, and implement `build_layer` / `layer_settings`.
+    """
+
+    target: ClassVar[str] = ""
+
+    layers: list[int] | None = field(default=None, kw_only=True)
+    include: str | None = field(default=None, kw_only=True)  # regex: patch only matching module paths
+    exclude: str | None = field(default=None, kw_only=True)  # regex: never patch matching module paths
+    seed: int = field(default=0, kw_only=True)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.target:
+            CONFIG_TYPES[cls.target] = cls
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.layers is not None:
+            if not isinstance(self.layers, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers
+            ):
+                raise ConfigError(f"layers must be a list of non-negative block indices or None, got {self.layers!r}")
+            self.layers = sorted(set(self.layers))
+        for name in ("include", "exclude"):
+            pattern = getattr(self, name)
+            if pattern is not None:
+                try:
+                    re.compile(pattern)
+                except (re.error, TypeError) as exc:
+                    raise ConfigError(
+                        f"{name} must be a regular expression on module paths, got {pattern!r}: {exc}"
+                    ) from None
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+
+    def build_layer(self, carried: CarriedAttention, layer_index: int) -> nn.Module:
+        """The replacement for one attention module, reusing `carried` and initialised."""
+        raise NotImplementedError
+
+    def layer_settings(self, layer: nn.Module) -> dict[str, Any]:
+        """JSON-safe per-layer facts recorded in reports and checkpoints."""
+        return {}
+
+    def as_built(self, model: nn.Module) -> TargetConfig:
+        """This config with its automatic choices replaced by what `model`'s patched layers got, as saved in a
+        checkpoint: reloading then rebuilds the same layers whatever a later version's automatic rule picks.
+        Default: the config itself (no automatic choices)."""
+        return self
+
+    def block_edits(self, block: nn.Module, attention_name: str, layer_index: int) -> dict[str, nn.Module]:
+        """Replacements for other modules of the site's block (the module holding the attention, under
+        `attention_name`): {path inside `block`: new module}, built without changing `block`. Surgery swaps them
+        in with the attention and `unpatch_model` restores the originals (see attention/carried_module.py).
+        Default: none."""
+        return {}
+
+    def block_forwards(self, blocks: dict[int, tuple[nn.Module, str]]) -> dict[int, Any]:
+        """Replacement forwards for whole blocks, {block index: callable}, given every patched site's
+        {block index: (block, attention name)}: surgery sets each as its block's `forward` (an instance attribute,
+        no module or state-dict key changes) and `unpatch_model` removes it. Default: none (token merging uses it)."""
+        return {}
+
+    def check_stage_state(self, state: dict[str, Any]) -> None:
+        """Refuse a recipe stage's `target_state` this target cannot apply (default: any non-empty one)."""
+        if state:
+            raise ConfigError(
+                f"target {self.target!r} ({type(self).__name__}) has no per-stage state to switch; a recipe stage's "
+                f"target_state must be empty for it, got keys {sorted(state)}"
+            )
+
+    def apply_stage_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Put `model` (patched with this config) into `state` at a recipe stage's start (the recipe engine calls
+        this with the stage's `target_state`, merged over the earlier stages'). Default: only an empty state."""
+        self.check_stage_state(state)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target": self.target, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TargetConfig:
+        """Build the config named by data["target"] (or this class's), rejecting unknown keys."""
+        data = dict(data)
+        target = data.pop("target", cls.target)
+        config_cls = CONFIG_TYPES.get(target)
+        if config_cls is None:
+            raise ConfigError(f"unknown target {target!r}; known: {sorted(CONFIG_TYPES)}")
+        if cls.target and config_cls is not cls:
+            raise ConfigError(f"config is for target {target!r}, not {cls.target!r}")
+        known = {f.name for f in dataclasses.fields(config_cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown {config_cls.__name__} keys {unknown}; valid keys: {sorted(known)}")
+        return config_cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> TargetConfig:
+        return cls.from_dict(json.loads(text))
+
+
+def is_int(value: Any) -> bool:
+    """An int that is not a bool: what a config field typed `int` accepts from JSON."""
+    return isinstance(value, int) and not isinstance(value, bool)

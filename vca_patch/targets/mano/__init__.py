@@ -1,0 +1,7 @@
+"""Multipole Attention (MANO; Colagrande et al., arXiv 2507.02748) as a conversion target."""
+
+from vca_patch.targets.mano import macs  # noqa: F401  (registers the analytic MAC count)
+from vca_patch.targets.mano.config import MANOConfig
+from vca_patch.targets.mano.layer import MultipoleAttention
+
+__all__ = ["MANOConfig", "MultipoleAttention"]

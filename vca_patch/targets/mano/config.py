@@ -1,0 +1,87 @@
+"""`MANOConfig`: the Multipole Attention target (`target = "mano"`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from vca_patch.core.errors import ConfigError
+from vca_patch.layers.carried import CarriedAttention
+from vca_patch.layers.staged_carry import CarriedWindowAttention
+from vca_patch.targets.base import TargetConfig, is_int
+from vca_patch.targets.mano.layer import MultipoleAttention
+from vca_patch.targets.mano.windowed import build_window_mano
+
+
+@dataclass
+class MANOConfig(TargetConfig):
+    """Configuration of a Multipole Attention (MANO) patch (docs/mano.md).
+
+    Attributes:
+        window: window side k of the per-level windowed attention (clipped to smaller grids; a window
+            covering the patch grid reproduces the original attention exactly). Swin/SwinV2: not used, every
+            level takes the block's own window (level 0 is the block's window attention, exact at init).
+        rate: coarsening factor r ≥ 2 between levels.
+        levels: number of levels L; None picks, per input grid, the fewest whose coarsest grid fits
+            one window.
+        down: "conv" (shared strided conv, C²r² parameters) or "avg" (average pooling, none).
+        up: "conv" (shared transposed conv, C²r² parameters) or "nearest" (nearest upsampling with a
+            learnable per-channel gain, C parameters).
+        init: "preserve" (up = 0 / gain = 0: the layer starts as windowed attention at the finest
+            level), "multipole" (average/nearest-equivalent kernels: the full V-cycle) or "random".
+        prefix: "global" (prefix keys join every level-0 window; prefix queries attend to all
+            tokens) or "separate" (grid queries never see prefix keys).
+        pad: pad levels that the window/rate do not divide (masked in the softmax); False raises.
+        layers: 0-based block indices to patch; None patches every attention block.
+        seed: seed of the random parts of the init ("random" mode).
+    """
+
+    target: ClassVar[str] = "mano"
+
+    window: int = 7
+    rate: int = 2
+    levels: int | None = None
+    down: str = "conv"
+    up: str = "conv"
+    init: str = "preserve"
+    prefix: str = "global"
+    pad: bool = True
+
+    def validate(self) -> None:
+        super().validate()
+        if not is_int(self.window) or self.window < 1:
+            raise ConfigError(f"window must be a positive integer, got {self.window!r}")
+        if not is_int(self.rate) or self.rate < 2:
+            raise ConfigError(f"rate must be an integer ≥ 2, got {self.rate!r}")
+        if self.levels is not None and (not is_int(self.levels) or self.levels < 1):
+            raise ConfigError(f"levels must be a positive integer or None (auto), got {self.levels!r}")
+        choices = {
+            "down": ("conv", "avg"),
+            "up": ("conv", "nearest"),
+            "init": ("preserve", "multipole", "random"),
+            "prefix": ("global", "separate"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {getattr(self, name)!r}")
+        if not isinstance(self.pad, bool):
+            raise ConfigError(f"pad must be true or false, got {self.pad!r}")
+
+    def build_layer(self, carried: CarriedAttention, layer_index: int) -> MultipoleAttention:
+        options = {"rate": self.rate, "levels": self.levels, "down": self.down, "up": self.up, "prefix": self.prefix}
+        if isinstance(carried, CarriedWindowAttention):  # Swin: level 0 is the block's window attention (its window)
+            mano = build_window_mano(carried, pad=self.pad, **options)
+        else:
+            mano = MultipoleAttention.from_carried(carried, window=self.window, pad=self.pad, **options)
+        mano.reset_mano_parameters(self.init)
+        return mano
+
+    def layer_settings(self, layer: MultipoleAttention) -> dict[str, Any]:
+        settings = {
+            "window": layer.window,
+            "rate": layer.rate,
+            "levels": "auto" if layer.levels is None else layer.levels,
+            "down": layer.down_mode,
+            "up": layer.up_mode,
+        }
+        return {**settings, **getattr(layer, "hierarchical_settings", {})}  # stage, grid of Swin layers

@@ -1,0 +1,17 @@
+"""Token merging (ToMe, Bolya et al., ICLR 2023) as a surgery target: `MergeConfig`, alone or composed with VCA."""
+
+from vca_patch.targets.merge.attention import MergingAttention
+from vca_patch.targets.merge.block import FAMILIES, MergeState, MergingForward, unmerge
+from vca_patch.targets.merge.config import MergeConfig
+from vca_patch.targets.merge.matching import TokenMerge, bipartite_soft_matching
+
+__all__ = [
+    "FAMILIES",
+    "MergeConfig",
+    "MergeState",
+    "MergingAttention",
+    "MergingForward",
+    "TokenMerge",
+    "bipartite_soft_matching",
+    "unmerge",
+]
