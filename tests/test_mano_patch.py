@@ -51,7 +51,9 @@ def test_save_reload_gives_identical_outputs(tmp_path, config):
     vca_patch.save_pretrained(model, tmp_path / "ckpt", model_args=args)
     meta = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert meta["config"]["target"] == "mano"
-    assert "Multipole Attention" in (tmp_path / "ckpt" / "README.md").read_text()
+    card = (tmp_path / "ckpt" / "README.md").read_text()
+    assert "Multipole Attention" in card
+    assert f"within {config.window}×{config.window} windows" in card and "{config" not in card
     again = vca_patch.from_pretrained(tmp_path / "ckpt")
     x = torch.randn(2, 3, 64, 64)
     assert torch.equal(_outputs(model, x), _outputs(again, x))

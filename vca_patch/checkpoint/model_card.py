@@ -266,7 +266,7 @@ def _mano_method(config: dict[str, Any]) -> tuple[str, str, str, str]:
     levels = config["levels"] if config.get("levels") is not None else "auto"
     intro = (
         "[Multipole Attention](https://arxiv.org/abs/2507.02748) (MANO) with\n"
-        "vca-patch. MANO attends within {config['window']}×"
+        f"vca-patch. MANO attends within {config['window']}×"
         f"{config['window']} windows on a hierarchy of grids\ncoarsened by {config['rate']} "
         "and combined in a V-cycle, so attention costs O(N·C·(C + k²)) instead of O(N²·C)."
     )

@@ -42,9 +42,6 @@ if TYPE_CHECKING:
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEVICE_HELP = "auto (cuda if available, else cpu), cpu, cuda or cuda:N"
 DTYPE_HELP = "Parameter dtype: float32, bfloat16 or float16"
-SWIN_MODE_HELP = "VCA on Swin/SwinV2: residual (window attention kept + zero-gated global VCA: exact) or global"
-PVT_MODE_HELP = "VCA on PVT: carry (spatial reduction kept: exact carry) or paper (reduction dropped: approximate)"
-STAGE_TOKENS_HELP = "VCA on PVT/Swin: contrast tokens per stage, e.g. 9,16,49,49 (default: the paper's 9/16/49/49)"
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -83,22 +80,6 @@ def parse_layers(spec: str | None) -> list[int] | None:
     if any(i < 0 for i in layers):
         raise typer.BadParameter("block indices are non-negative", param_hint="--layers")
     return sorted(layers)
-
-
-def parse_stage_tokens(spec: str | None) -> list[int] | None:
-    """'9,16,49,49' -> [9, 16, 49, 49] (contrast tokens per stage of a hierarchical model); None -> None.
-    A ConfigError names a malformed list (the callers print it as one line)."""
-    from vca_patch.core.errors import ConfigError
-
-    if spec is None:
-        return None
-    try:
-        return [int(part) for part in spec.split(",")]
-    except ValueError:
-        raise ConfigError(
-            f"--stage-contrast-tokens {spec!r} is not a comma-separated list of integers; use e.g. 9,16,49,49 "
-            "(one per stage)"
-        ) from None
 
 
 def resolve_device(spec: str) -> torch.device:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 import typer
@@ -13,33 +14,35 @@ from vca_patch.checkpoint.folder import CARD_NAME, CONFIG_NAME, FORMS
 from vca_patch.cli.common import (
     DEVICE_HELP,
     DTYPE_HELP,
-    PVT_MODE_HELP,
-    STAGE_TOKENS_HELP,
-    SWIN_MODE_HELP,
     console,
     err_console,
     fail,
     load_base,
     parse_layers,
-    parse_stage_tokens,
     prepare_cpu_kernel,
     resolve_device,
     resolve_dtype,
     warn_contrast_grid,
 )
-from vca_patch.cli.fidelity import calibrate_for_convert, check_calibration_splits, summary_table
+from vca_patch.cli.fidelity import CALIBRATED_TARGETS, calibrate_for_convert, check_calibration_splits, summary_table
 from vca_patch.cli.report_view import sites_table, totals_table
+from vca_patch.cli.target_options import (
+    refuse_other_targets,
+    split_options,
+    target_config,
+    target_names,
+    typer_command,
+)
 from vca_patch.core.atomic import UnsafeOutputError, check_output_dir, check_output_outside_inputs, foreign_entries
 from vca_patch.core.errors import ConfigError
 from vca_patch.core.model_io import compare_outputs, probe_batch
 from vca_patch.families.diffusers import probe as dfp
 from vca_patch.families.diffusers import source as dfs
 from vca_patch.surgery import PatchError, get_patch_state, patch_model
-from vca_patch.targets.base import TargetConfig
-from vca_patch.targets.didb import DIDBConfig
-from vca_patch.targets.mano.config import MANOConfig
+from vca_patch.targets.base import CONFIG_TYPES, TargetConfig
 from vca_patch.targets.vca.config import VCAConfig
 
+LLAVA_SP = "llava-sp"  # not a registered target: its own command path, `_convert_llava_sp`
 CHECKPOINT_FILES = (CONFIG_NAME, CARD_NAME, *FORMS.values())  # what a checkpoint folder holds
 
 
@@ -48,231 +51,196 @@ def _local(path: Path | None) -> bool:
     return path is not None and path.exists()
 
 
-def convert(
+@dataclass
+class ConvertArgs:
+    """`convert`'s options besides the targets' (which come from their config fields)."""
+
     model: Annotated[
         str,
         typer.Argument(
             help="timm model name (e.g. deit_tiny_patch16_224), hf-hub:ORG/NAME, or a transformers or diffusers model "
             "(a local folder, e.g. a diffusers pipeline with model_index.json + transformer/, or ORG/NAME)"
         ),
-    ],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write the converted checkpoint to")],
-    pretrained: Annotated[
-        bool, typer.Option(help="Start from pretrained Hub weights (--no-pretrained: random)")
-    ] = True,
+    ]
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write the converted checkpoint to")]
+    pretrained: Annotated[bool, typer.Option(help="Start from pretrained Hub weights (--no-pretrained: random)")] = True
     weights: Annotated[
         Path | None, typer.Option(help="Local weights (.safetensors/.pth) for MODEL instead of the Hub's")
-    ] = None,
-    layers: Annotated[str | None, typer.Option(help="Blocks to convert, e.g. '0-5,8' (default: all)")] = None,
-    include: Annotated[str | None, typer.Option(help="Regex: convert only matching module paths")] = None,
-    exclude: Annotated[str | None, typer.Option(help="Regex: never convert matching module paths")] = None,
-    strict: Annotated[bool, typer.Option("--strict", help="Refuse approximate or unverified conversions")] = False,
-    to: Annotated[
-        str, typer.Option("--to", help="Target: vca, mano, didb (binarised); llava-sp (spatial tokens on a LLaVA)")
-    ] = "vca",
-    contrast_tokens: Annotated[int, typer.Option(help="Pooled contrast tokens n (a perfect square)")] = 49,
-    softmax: Annotated[str, typer.Option(help="Stage-II softmax: joint or separate")] = "joint",
-    init: Annotated[
-        str, typer.Option(help="preserve (function-preserving); VCA: paper (from scratch); MANO: multipole or random")
-    ] = "preserve",
-    window: Annotated[int, typer.Option(help="MANO: window side k")] = 7,
-    rate: Annotated[int, typer.Option(help="MANO: coarsening rate r between levels")] = 2,
-    levels: Annotated[int | None, typer.Option(help="MANO: number of levels (default: auto per grid)")] = None,
-    down: Annotated[str, typer.Option(help="MANO: conv or avg")] = "conv",
-    up: Annotated[str, typer.Option(help="MANO: conv or nearest")] = "conv",
-    prefix: Annotated[str, typer.Option(help="MANO: prefix tokens global or separate")] = "global",
-    probe_size: Annotated[int, typer.Option(help="Images in the probe batch that measures the change")] = 4,
+    ] = None
+    layers: Annotated[str | None, typer.Option(help="Blocks to convert, e.g. '0-5,8' (default: all)")] = None
+    include: Annotated[str | None, typer.Option(help="Regex: convert only matching module paths")] = None
+    exclude: Annotated[str | None, typer.Option(help="Regex: never convert matching module paths")] = None
+    strict: Annotated[bool, typer.Option("--strict", help="Refuse approximate or unverified conversions")] = False
+    to: Annotated[str, typer.Option("--to", help=f"Target: {target_names((LLAVA_SP,))}")] = "vca"
+    probe_size: Annotated[int, typer.Option(help="Images in the probe batch that measures the change")] = 4
     seed: Annotated[
         int, typer.Option(help="Seed of random base weights, of the init's random parts and of the probe batch")
-    ] = 0,
-    prefix_readout: Annotated[
-        str, typer.Option(help="VCA: prefix tokens read all keys (exact) or only the contrast tokens (contrast, paper)")
-    ] = "exact",
-    stage2_temperature: Annotated[bool, typer.Option(help="VCA: per-head Stage-II temperature (init 1)")] = True,
-    token_magnitude: Annotated[
-        bool | None,
-        typer.Option(
-            "--token-magnitude/--no-token-magnitude",
-            help="VCA: per-token output gain that calibration fits (default: on for single-grid ViTs)",
-        ),
-    ] = None,
-    local_window: Annotated[
-        int,
-        typer.Option(
-            help="VCA: each patch also attends to its K x K neighbours (odd K, e.g. 7; calibration fits it; 0: off)"
-        ),
-    ] = 0,
+    ] = 0
     grow_tokens: Annotated[
         float | None,
         typer.Option(help="VCA calibration: layers whose error stays above this get 4x the contrast tokens (e.g. 0.4)"),
-    ] = None,
+    ] = None
     calibration_data: Annotated[
         Path | None, typer.Option(help="VCA: calibrate on real images (idx folder, ImageFolder root, HF name)")
-    ] = None,
+    ] = None
     calibration_kind: Annotated[
         str | None, typer.Option(help="fashion_mnist, imagefolder or hf (default: from --calibration-data)")
-    ] = None,
-    calibration_images: Annotated[int, typer.Option(help="Images used to calibrate, and to measure")] = 256,
+    ] = None
+    calibration_images: Annotated[int, typer.Option(help="Images used to calibrate, and to measure")] = 256
     split: Annotated[
         str, typer.Option(help="--calibration-data split to calibrate on (ImageFolder: its sub-folder; flat: 4 in 5)")
-    ] = "train",
+    ] = "train"
     eval_split: Annotated[
         str, typer.Option(help="--calibration-data split to measure on (val/validation/test aliases; flat: 1 in 5)")
-    ] = "test",
+    ] = "test"
     force: Annotated[
         bool, typer.Option("--force", help="Replace a non-empty output folder as a whole (its other files are listed)")
-    ] = False,
+    ] = False
     img_size: Annotated[
         int | None, typer.Option(help="Input size in pixels (timm's img_size; transformers: the config's; DINOv2: any)")
-    ] = None,
-    device: Annotated[str, typer.Option(help=f"Where to convert and measure: {DEVICE_HELP}")] = "auto",
-    dtype: Annotated[str, typer.Option(help=f"{DTYPE_HELP} (the model is cast, then patched)")] = "float32",
-    spatial_variant: Annotated[str, typer.Option(help="LLaVA-SP: pooling or cropping")] = "pooling",
-    spatial_tokens: Annotated[int, typer.Option(help="LLaVA-SP: spatial tokens added per image")] = 6,
+    ] = None
+    device: Annotated[str, typer.Option(help=f"Where to convert and measure: {DEVICE_HELP}")] = "auto"
+    dtype: Annotated[str, typer.Option(help=f"{DTYPE_HELP} (the model is cast, then patched)")] = "float32"
+    spatial_variant: Annotated[str, typer.Option(help="LLaVA-SP: pooling or cropping")] = "pooling"
+    spatial_tokens: Annotated[int, typer.Option(help="LLaVA-SP: spatial tokens added per image")] = 6
     plan: Annotated[
         Path | None, typer.Option(help="Apply a plan file from `vca-patch plan` (token merging + VCA) instead of --to")
-    ] = None,
+    ] = None
     packed: Annotated[
         bool, typer.Option("--packed", help="DIDB: save the binarised Linears as packed sign bits + scales (~1/32)")
-    ] = False,
-    swin_mode: Annotated[str, typer.Option(help=SWIN_MODE_HELP)] = "residual",
-    pvt_mode: Annotated[str, typer.Option(help=PVT_MODE_HELP)] = "carry",
-    stage_contrast_tokens: Annotated[str | None, typer.Option(help=STAGE_TOKENS_HELP)] = None,
-) -> None:
-    """Convert MODEL's softmax attention to VCA (or MANO with --to mano) and save it to --output.
+    ] = False
+
+
+@typer_command(ConvertArgs)
+def convert(**options: Any) -> None:
+    """Convert MODEL's softmax attention to VCA (or another target with --to) and save it to --output.
 
     With --to llava-sp, MODEL is a transformers LLaVA (folder or Hub id) and gets LLaVA-SP's spatial tokens.
     """
-    if to == "llava-sp":
-        _convert_llava_sp(model, output, pretrained, spatial_variant, spatial_tokens, seed, force)
+    args, target_values = split_options(ConvertArgs, options)
+    if args.to == LLAVA_SP:
+        _convert_llava_sp(args, target_values)
         return
-    torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
-    if calibration_data is not None and dfs.is_local_diffusers(model):  # checked again once a Hub model is loaded
+    config = _checked_config(args, target_values)
+    _check_inputs(args)
+    net, base_weights = _build_base(args)
+    _patch_measure_save(args, net, config, base_weights)
+
+
+def _checked_config(args: ConvertArgs, target_values: dict[str, Any]) -> TargetConfig:
+    """The target config the options (or --plan) ask for, after the checks that need no model; exits on an error."""
+    if args.calibration_data is not None and dfs.is_local_diffusers(args.model):  # checked again once loaded
         fail("--calibration-data takes images for vision encoders; a diffusion transformer is measured on random "
              "latents, timesteps and conditions (distil it to recover quality)", 2)  # fmt: skip
     try:
-        check_output_dir(output, overwrite=force)
-        data = calibration_data if _local(calibration_data) else None
-        check_output_outside_inputs(output, {"--weights file": weights, "--calibration-data": data}, replaces=True)
-        options = {
-            "vca": {"--contrast-tokens": (contrast_tokens, 49), "--softmax": (softmax, "joint"),
-                    "--prefix-readout": (prefix_readout, "exact"), "--stage2-temperature": (stage2_temperature, True),
-                    "--calibration-data": (calibration_data, None), "--split": (split, "train"),
-                    "--eval-split": (eval_split, "test"), "--swin-mode": (swin_mode, "residual"),
-                    "--pvt-mode": (pvt_mode, "carry"), "--stage-contrast-tokens": (stage_contrast_tokens, None),
-                    "--token-magnitude": (token_magnitude, None), "--grow-tokens": (grow_tokens, None),
-                    "--local-window": (local_window, 0)},
-            "mano": {"--window": (window, 7), "--rate": (rate, 2), "--levels": (levels, None), "--down": (down, "conv"),
-                     "--up": (up, "conv"), "--prefix": (prefix, "global")},
-            "didb": {"--packed": (packed, False)},
-        }  # fmt: skip
-        for target, given in options.items():
-            other = [name for name, (value, default) in given.items() if value != default]
-            if to != target and to in options and other:
-                raise ConfigError(f"{', '.join(other)} {'is' if len(other) == 1 else 'are'} for --to {target}, "
-                                  f"not --to {to}; drop {'it' if len(other) == 1 else 'them'}")  # fmt: skip
-        unused = [name for name, given in (("--split", split != "train"), ("--eval-split", eval_split != "test"))
-                  if given and calibration_data is None]  # fmt: skip
-        if unused:
-            raise ConfigError(f"{' and '.join(unused)} choose splits of --calibration-data; pass it too, or drop them")
-        if grow_tokens is not None and (calibration_data is None or not grow_tokens > 0):
-            raise ConfigError(
-                f"--grow-tokens takes a positive error threshold and --calibration-data; got {grow_tokens}"
-            )
-        for name, value in (("--probe-size", probe_size), ("--calibration-images", calibration_images)):
-            if value < 1:
-                raise ConfigError(f"{name} must be at least 1 image, got {value}")
-        config: TargetConfig
-        if plan is not None:
+        check_output_dir(args.output, overwrite=args.force)
+        data = args.calibration_data if _local(args.calibration_data) else None
+        inputs = {"--weights file": args.weights, "--calibration-data": data}
+        check_output_outside_inputs(args.output, inputs, replaces=True)
+        refuse_other_targets(args.to, target_values, _convert_only_options(args))
+        _check_calibration_options(args)
+        if args.plan is not None:
             from vca_patch.planner import load_plan
 
-            config = load_plan(plan)
-        elif to == "vca":
-            config = VCAConfig(
-                contrast_tokens=contrast_tokens, softmax=softmax, init=init, layers=parse_layers(layers), seed=seed,
-                prefix_readout=prefix_readout, stage2_temperature=stage2_temperature, token_magnitude=token_magnitude,
-                local_window=local_window, include=include, exclude=exclude,
-                swin_mode=swin_mode, pvt_mode=pvt_mode, stage_contrast_tokens=parse_stage_tokens(stage_contrast_tokens),
-            )  # fmt: skip
-        elif to == "mano":
-            config = MANOConfig(
-                window=window, rate=rate, levels=levels, down=down, up=up, init=init, prefix=prefix,
-                layers=parse_layers(layers), seed=seed, include=include, exclude=exclude,
-            )  # fmt: skip
-        elif to == "didb":
-            config = DIDBConfig(layers=parse_layers(layers), seed=seed, include=include, exclude=exclude)
-        else:
-            raise ConfigError(f"--to must be 'vca', 'mano', 'didb' or 'llava-sp', got {to!r}")
+            return load_plan(args.plan)
+        common = {"layers": parse_layers(args.layers), "seed": args.seed, "include": args.include}
+        return target_config(args.to, target_values, exclude=args.exclude, **common)
     except (OutputExistsError, UnsafeOutputError, ConfigError) as exc:  # a bad --plan file: PlanError, a ConfigError
         fail(str(exc), 2)
-    if weights is not None and not weights.is_file():
-        fail(f"weights file {weights} does not exist", 2)
-    if _local(calibration_data):
-        check_calibration_splits(calibration_data, calibration_kind, split, eval_split)  # before any work
-    removed = foreign_entries(output, CHECKPOINT_FILES)
+
+
+def _convert_only_options(args: ConvertArgs) -> dict[str, tuple[bool, tuple[str, ...]]]:
+    """Options of `convert` that are not config fields, {flag: (given, the targets they apply to)}."""
+    packers = tuple(name for name, cls in sorted(CONFIG_TYPES.items()) if hasattr(cls, "load_packed"))
+    calibration = {
+        "--calibration-data": args.calibration_data is not None,
+        "--split": args.split != "train",
+        "--eval-split": args.eval_split != "test",
+        "--grow-tokens": args.grow_tokens is not None,
+    }
+    return {"--packed": (args.packed, packers)} | {k: (v, CALIBRATED_TARGETS) for k, v in calibration.items()}
+
+
+def _check_calibration_options(args: ConvertArgs) -> None:
+    unused = [name for name, given in (("--split", args.split != "train"), ("--eval-split", args.eval_split != "test"))
+              if given and args.calibration_data is None]  # fmt: skip
+    if unused:
+        raise ConfigError(f"{' and '.join(unused)} choose splits of --calibration-data; pass it too, or drop them")
+    grow = args.grow_tokens
+    if grow is not None and (args.calibration_data is None or not grow > 0):
+        raise ConfigError(f"--grow-tokens takes a positive error threshold and --calibration-data; got {grow}")
+    for name, value in (("--probe-size", args.probe_size), ("--calibration-images", args.calibration_images)):
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1 image, got {value}")
+
+
+def _check_inputs(args: ConvertArgs) -> None:
+    """Checks of the input files, and the warning of what --force removes, before any work."""
+    if args.weights is not None and not args.weights.is_file():
+        fail(f"weights file {args.weights} does not exist", 2)
+    if _local(args.calibration_data):
+        check_calibration_splits(args.calibration_data, args.calibration_kind, args.split, args.eval_split)
+    removed = foreign_entries(args.output, CHECKPOINT_FILES)
     if removed:  # --force replaces the folder as a whole: say so before anything is done
         shown = ", ".join(removed[:6]) + (f" and {len(removed) - 6} more" if len(removed) > 6 else "")
         err_console.print(
-            f"[bold yellow]warning:[/] --force replaces {output}/ as a whole; these entries in it will be removed: "
-            f"{shown}",
+            f"[bold yellow]warning:[/] --force replaces {args.output}/ as a whole; these entries in it will be "
+            f"removed: {shown}",
             highlight=False,
             soft_wrap=True,
         )
 
-    base_weights = "local file" if weights else ("pretrained" if pretrained else "random")
-    with console.status(f"Building {model} ({base_weights} weights)..."):
+
+def _build_base(args: ConvertArgs) -> tuple[torch.nn.Module, str]:
+    """MODEL with its base weights, on --device in --dtype, and which weights those are."""
+    torch_device, torch_dtype = resolve_device(args.device), resolve_dtype(args.dtype)
+    base_weights = "local file" if args.weights else ("pretrained" if args.pretrained else "random")
+    with console.status(f"Building {args.model} ({base_weights} weights)..."):
         with torch.random.fork_rng(devices=[]):  # random weights follow --seed: a reproducible offline demo
-            torch.manual_seed(seed)
-            net = load_base(model, pretrained=pretrained, weights=weights, img_size=img_size).eval()
-        net.to(device=torch_device, dtype=torch_dtype)
+            torch.manual_seed(args.seed)
+            net = load_base(args.model, pretrained=args.pretrained, weights=args.weights, img_size=args.img_size)
+        net.eval().to(device=torch_device, dtype=torch_dtype)
+    return net, base_weights
+
+
+def _patch_measure_save(args: ConvertArgs, net: torch.nn.Module, config: TargetConfig, base_weights: str) -> None:
     diffusion = dfp.is_diffusers_model(net)  # a diffusion transformer: a random denoising step is the probe
-    if diffusion and calibration_data is not None:
+    if diffusion and args.calibration_data is not None:
         fail(f"--calibration-data takes images for vision encoders, not {type(net).__name__}", 2)
-    probe = dfp.probe_inputs(net, probe_size, seed) if diffusion else probe_batch(net, probe_size, seed)
+    probe = (
+        dfp.probe_inputs(net, args.probe_size, args.seed) if diffusion else probe_batch(net, args.probe_size, args.seed)
+    )
     run = dfp.predict if diffusion else (lambda module, x: module(x))
-    if config.target == "vca" and torch_device.type == "cpu":
-        prepare_cpu_kernel()
+    if isinstance(config, VCAConfig) and next(net.parameters()).device.type == "cpu":
+        prepare_cpu_kernel()  # VCA's fused CPU kernel: compiled on the first run, under its own spinner
     with console.status("Patching and probing..."), torch.no_grad():
         reference = run(net, probe)
         try:
-            report = patch_model(net, config, strict=strict)
+            report = patch_model(net, config, strict=args.strict)
         except (PatchError, ConfigError) as exc:  # ConfigError: e.g. a --plan made for another model
             fail(str(exc))
         metrics = compare_outputs(reference, run(net, probe))
-    warn_contrast_grid(report, model)
+    warn_contrast_grid(report, args.model)
     if diffusion:
         fidelity_summary = dfp.fidelity_summary(dfp.attention_errors(net, probe), metrics)
-        measured_on = f"{probe_size} random denoising inputs"
+        measured_on = f"{args.probe_size} random denoising inputs"
     else:
         with console.status("Calibrating and measuring fidelity..."):
             fidelity_summary, measured_on = calibrate_for_convert(
-                net,
-                calibration_data,
-                calibration_kind,
-                calibration_images,
-                probe,
-                split=split,
-                eval_split=eval_split,
-                grow_tokens=grow_tokens,
-            )
+                net, args.calibration_data, args.calibration_kind, args.calibration_images, probe,
+                split=args.split, eval_split=args.eval_split, grow_tokens=args.grow_tokens,
+            )  # fmt: skip
         report = get_patch_state(net).report  # --grow-tokens re-patched the grown blocks: their n and +params
-    with console.status(f"Saving to {output}..."):
-        save_pretrained(
-            net,
-            output,
-            overwrite=force,
-            metadata={"base_weights": base_weights, "model_name": model, "probe": metrics, "dtype": dtype},
-            packed=packed,
-        )
+    metadata = {"base_weights": base_weights, "model_name": args.model, "probe": metrics, "dtype": args.dtype}
+    with console.status(f"Saving to {args.output}..."):
+        save_pretrained(net, args.output, overwrite=args.force, metadata=metadata, packed=args.packed)
     console.print(sites_table(report))
     console.print(totals_table(report, probe=metrics))
     console.print(summary_table(fidelity_summary, f"Fidelity to the original ({measured_on})"))
-    console.print(f"[bold green]Saved[/] {output}/ (model.safetensors, config.json, README.md)")
+    console.print(f"[bold green]Saved[/] {args.output}/ (model.safetensors, config.json, README.md)")
 
 
-def _convert_llava_sp(
-    model: str, output: Path, pretrained: bool, variant: str, num_tokens: int, seed: int, force: bool
-) -> None:
+def _convert_llava_sp(args: ConvertArgs, target_values: dict[str, Any]) -> None:
     """`convert --to llava-sp`: add spatial tokens to a LLaVA's projector and save model, tokens and processor."""
     from vca_patch.checkpoint.base_model import HubUnavailableError, UnknownModelError
     from vca_patch.targets.llava_sp import SpatialTokensConfig
@@ -280,15 +248,18 @@ def _convert_llava_sp(
     from vca_patch.targets.llava_sp.model import SpatialTokensError
 
     try:
-        config = SpatialTokensConfig(variant=variant, num_tokens=num_tokens, seed=seed)
-    except ValueError as exc:
+        refuse_other_targets(LLAVA_SP, target_values, _convert_only_options(args))
+        config = SpatialTokensConfig(variant=args.spatial_variant, num_tokens=args.spatial_tokens, seed=args.seed)
+    except (ValueError, ConfigError) as exc:
         fail(str(exc), 2)
     try:
-        with console.status(f"Adding {num_tokens} {variant} spatial tokens to {model}..."):
-            report = convert_to_llava_sp(model, output, config, pretrained=pretrained, overwrite=force)
+        with console.status(f"Adding {config.num_tokens} {config.variant} spatial tokens to {args.model}..."):
+            report = convert_to_llava_sp(
+                args.model, args.output, config, pretrained=args.pretrained, overwrite=args.force
+            )
     except (OutputExistsError, UnsafeOutputError) as exc:
         fail(str(exc), 2)
     except (SpatialTokensError, UnknownModelError, HubUnavailableError) as exc:
         fail(str(exc), 1)
     console.print(str(report), highlight=False, soft_wrap=True)
-    console.print(f"Saved {output}/ (load with vca_patch.load_spatial_tokens)")
+    console.print(f"Saved {args.output}/ (load with vca_patch.load_spatial_tokens)")

@@ -157,6 +157,9 @@ def summary_table(summary: dict[str, float], title: str = "Fidelity to the origi
     return table
 
 
+CALIBRATED_TARGETS = ("vca",)  # the targets `calibrate_for_convert` calibrates (its --calibration-data etc.)
+
+
 def calibrate_for_convert(
     net,
     data: Path | None,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from vca_patch.core.errors import ConfigError
@@ -38,13 +38,15 @@ class MANOConfig(TargetConfig):
 
     target: ClassVar[str] = "mano"
 
-    window: int = 7
-    rate: int = 2
-    levels: int | None = None
-    down: str = "conv"
-    up: str = "conv"
-    init: str = "preserve"
-    prefix: str = "global"
+    window: int = field(default=7, metadata={"cli": "--window", "help": "Window side k"})
+    rate: int = field(default=2, metadata={"cli": "--rate", "help": "Coarsening rate r between levels"})
+    levels: int | None = field(
+        default=None, metadata={"cli": "--levels", "help": "Number of levels (default: auto per grid)"}
+    )
+    down: str = field(default="conv", metadata={"cli": "--down", "help": "conv or avg"})
+    up: str = field(default="conv", metadata={"cli": "--up", "help": "conv or nearest"})
+    init: str = field(default="preserve", metadata={"cli": "--init", "help": "preserve, multipole or random"})
+    prefix: str = field(default="global", metadata={"cli": "--prefix", "help": "Prefix tokens global or separate"})
     pad: bool = True
 
     def validate(self) -> None:

@@ -62,18 +62,66 @@ class VCAConfig(TargetConfig):
 
     target: ClassVar[str] = "vca"
 
-    contrast_tokens: int = 49
-    softmax: str = "joint"
-    init: str = "preserve"
+    contrast_tokens: int = dataclasses.field(
+        default=49, metadata={"cli": "--contrast-tokens", "help": "Pooled contrast tokens n (a perfect square)"}
+    )
+    softmax: str = dataclasses.field(
+        default="joint", metadata={"cli": "--softmax", "help": "Stage-II softmax: joint or separate"}
+    )
+    init: str = dataclasses.field(
+        default="preserve", metadata={"cli": "--init", "help": "preserve (function-preserving) or paper (from scratch)"}
+    )
     rms_eps: float = 1e-5
-    prefix_readout: str = "exact"
-    stage2_temperature: bool = True
-    token_magnitude: bool | None = None
-    local_window: int = 0
+    prefix_readout: str = dataclasses.field(
+        default="exact",
+        metadata={
+            "cli": "--prefix-readout",
+            "help": "Prefix tokens read all keys (exact) or only the contrast tokens (contrast, paper)",
+        },
+    )
+    stage2_temperature: bool = dataclasses.field(
+        default=True,
+        metadata={
+            "cli": "--stage2-temperature/--no-stage2-temperature",
+            "help": "Per-head Stage-II temperature (init 1)",
+        },
+    )
+    token_magnitude: bool | None = dataclasses.field(
+        default=None,
+        metadata={
+            "cli": "--token-magnitude/--no-token-magnitude",
+            "help": "Per-token output gain that calibration fits (default: on for single-grid ViTs)",
+        },
+    )
+    local_window: int = dataclasses.field(
+        default=0,
+        metadata={
+            "cli": "--local-window",
+            "help": "Each patch also attends to its K x K neighbours (odd K, e.g. 7; calibration fits it; 0: off)",
+        },
+    )
     layer_contrast_tokens: dict[int, int] | None = None
-    stage_contrast_tokens: list[int] | None = None
-    swin_mode: str = "residual"
-    pvt_mode: str = "carry"
+    stage_contrast_tokens: list[int] | None = dataclasses.field(
+        default=None,
+        metadata={
+            "cli": "--stage-contrast-tokens",
+            "help": "On PVT/Swin: contrast tokens per stage, e.g. 9,16,49,49 (default: the paper's 9/16/49/49)",
+        },
+    )
+    swin_mode: str = dataclasses.field(
+        default="residual",
+        metadata={
+            "cli": "--swin-mode",
+            "help": "On Swin/SwinV2: residual (window attention kept + zero-gated global VCA: exact) or global",
+        },
+    )
+    pvt_mode: str = dataclasses.field(
+        default="carry",
+        metadata={
+            "cli": "--pvt-mode",
+            "help": "On PVT: carry (spatial reduction kept: exact carry) or paper (reduction dropped: approximate)",
+        },
+    )
     rope_contrast: str = "pooled"
 
     @property
