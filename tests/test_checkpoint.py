@@ -44,6 +44,31 @@ def test_config_json_records_base_config_layers_and_version(tmp_path):
     assert card.startswith("---\n") and "library_name: vca-patch" in card and "license: apache-2.0" in card
 
 
+def test_mano_card_shows_its_real_window_rate_tags_and_citation(tmp_path):
+    model, args = tiny()
+    patch_model(model, vca_patch.MANOConfig(window=2, rate=2))
+    vca_patch.save_pretrained(model, tmp_path / "m", model_args=args)
+    card = (tmp_path / "m" / "README.md").read_text()
+    assert "with Multipole Attention (MANO)" in card
+    assert "MANO attends within 2×2 windows" in card and "coarsened by 2 and" in card
+    assert "| window k / rate r / levels | 2 / 2 / auto |" in card
+    assert "{config" not in card and "{window" not in card  # every placeholder was filled in
+    front = card.split("---")[1]
+    assert "- mano" in front and "- multipole-attention" in front and "- vca\n" not in front
+    assert "@article{colagrande2025mano" in card
+
+
+def test_card_of_a_target_without_card_text_is_generic():
+    from vca_patch.checkpoint.model_card import _method
+
+    name, intro, rows, citation = _method({"target": "didb", "weights": True, "layers": None})
+    assert name == "DIDB" and intro.startswith("vca-patch's DIDB target (Configuration of a DIDB-ViT")
+    assert rows == "| weights | True |" and "didbvit2025" in citation
+    name, intro, rows, citation = _method({"target": "unknown", "k": 3})
+    assert (name, intro, rows) == ("UNKNOWN", "vca-patch's UNKNOWN target.", "| k | 3 |")
+    assert citation == "% no citation recorded for this target"
+
+
 def test_model_args_that_cannot_rebuild_the_model_are_refused(tmp_path):
     model, _ = tiny()
     patch_model(model)

@@ -27,11 +27,23 @@ from torch.utils import flop_counter
 from vca_patch.bench.errors import BenchError
 from vca_patch.bench.timing import median, time_interleaved
 from vca_patch.targets.base import TargetConfig
-from vca_patch.targets.mano.config import MANOConfig
 from vca_patch.targets.vca import fused_cpu
-from vca_patch.targets.vca.config import VCAConfig
 
 FAMILIES = {"swin": "swin", "pvt_v2": "pvt"}  # timm name prefix -> family
+# The variants each family is measured in besides the original: name -> (registered target, config fields). Built
+# through the target registry (`TargetConfig.from_dict`): benching another target is one more entry here.
+VARIANTS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
+    "swin": {
+        "vca-residual": ("vca", {"swin_mode": "residual"}),
+        "vca-global": ("vca", {"swin_mode": "global"}),
+        "mano": ("mano", {}),
+    },
+    "pvt": {
+        "vca-carry": ("vca", {"pvt_mode": "carry"}),
+        "vca-paper": ("vca", {"pvt_mode": "paper"}),
+        "mano": ("mano", {}),
+    },
+}
 FINDINGS = {
     "swin": "Swin's window attention is already linear in image area: VCA buys global context, not speed "
     "(residual adds a global branch beside the windows; global mode drops the windows, bias and shifts).",
@@ -57,12 +69,9 @@ def family(model_name: str) -> str | None:
 
 
 def variant_configs(fam: str) -> dict[str, TargetConfig | None]:
-    """The variants a family is measured in: the original (None), each VCA mode, MANO."""
-    if fam == "swin":
-        modes = {"vca-residual": VCAConfig(swin_mode="residual"), "vca-global": VCAConfig(swin_mode="global")}
-    else:
-        modes = {"vca-carry": VCAConfig(pvt_mode="carry"), "vca-paper": VCAConfig(pvt_mode="paper")}
-    return {"original": None, **modes, "mano": MANOConfig()}
+    """The variants a family is measured in: the original (None), then each of `VARIANTS[fam]`'s configs."""
+    built = {name: TargetConfig.from_dict({"target": t, **kw}) for name, (t, kw) in VARIANTS[fam].items()}
+    return {"original": None, **built}
 
 
 def build_base(model_name: str, px: int, *, seed: int = 0, model_args: dict[str, Any] | None = None) -> nn.Module:

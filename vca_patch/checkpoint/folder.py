@@ -188,7 +188,7 @@ def save_pretrained(
 def _packed_choice(model: nn.Module, packed: bool | None, form: str) -> bool:
     """Whether to save the target's packed form: asked for, or the model is held packed (it has no other)."""
     config = get_patch_state(model).config
-    held = bool(getattr(config, "is_packed", lambda m: False)(model))
+    held = config.is_packed(model)
     packed = held if packed is None else packed
     if held and not packed:
         raise ValueError(f"this {config.target} model is held in packed form and saves packed only (packed=True)")

@@ -28,9 +28,9 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCardData
 
-from vca_patch.surgery.report import target_name
+from vca_patch.targets import CONFIG_TYPES, DEFAULT_TARGET
+from vca_patch.targets.base import TargetConfig
 
-PAPER = "https://arxiv.org/abs/2511.00833"
 TASK = "image-classification"
 ACCURACY_KEYS = ("teacher_top1", "before_top1", "after_top1", "agreement_after")
 _METRIC_LABELS = {
@@ -40,8 +40,6 @@ _METRIC_LABELS = {
     "agreement_after": "top-1 agreement with the original, after fine-tuning",
 }
 _METRIC_TEXT_KEYS = ("dataset", "split", "dataset_name")
-_TAGS = {"vca": ["vca", "visual-contrast-attention", "linear-attention"],
-         "mano": ["mano", "multipole-attention", "linear-attention"]}  # fmt: skip
 _EXTRAS = {"transformers": "hf", "diffusers": "diffusers"}  # base library -> the vca-patch extra that loads it
 
 
@@ -153,8 +151,8 @@ def _task(base: dict[str, Any]) -> str | None:
 
 def _front_matter(meta: dict[str, Any], repo_id: str | None) -> str:
     base, extra = meta["base"], meta.get("metadata", {})
-    target = meta["config"].get("target", "vca")
-    method = _TAGS.get(target, [target])
+    target = meta["config"].get("target", DEFAULT_TARGET)  # config.json without a target: the default one
+    method = list(_config_type(target).tags) or [target]
     task = _task(base)
     tags = ["vca-patch", *method, *([task] if task else []), base["library"]]
     data: dict[str, Any] = {"library_name": "vca-patch", "tags": tags}
@@ -227,73 +225,17 @@ def _form_section(meta: dict[str, Any]) -> str:
     )
 
 
-_VCA_CITATION = """@inproceedings{pu2025lineardiff,
-  title     = {Linear Differential Vision Transformer: Learning Visual Contrasts via Pairwise Differentials},
-  author    = {Pu, Yifan and others},
-  booktitle = {Advances in Neural Information Processing Systems},
-  year      = {2025}
-}"""
-_MANO_CITATION = """@article{colagrande2025mano,
-  title   = {Linear Attention with Global Context: A Multipole Attention Mechanism for Vision and Physics},
-  author  = {Colagrande, Alex and Caillon, Paul and Feillet, Eva and Allauzen, Alexandre},
-  journal = {arXiv preprint arXiv:2507.02748},
-  year    = {2025}
-}"""
+def _config_type(target: str) -> type[TargetConfig]:
+    """The registered config class of `target`; the base class (generic card text) for an unknown one."""
+    return CONFIG_TYPES.get(target, TargetConfig)
 
 
 def _method(config: dict[str, Any]) -> tuple[str, str, str, str]:
-    """(attention name, one-paragraph description, conversion-table rows, BibTeX) of the config's target."""
-    renderer = _METHODS.get(config.get("target"), _generic_method)
-    return renderer(config)
-
-
-_SELECTION_FIELDS = {"target", "layers", "include", "exclude", "seed"}
-
-
-def _generic_method(config: dict[str, Any]) -> tuple[str, str, str, str]:
-    """Any registered target: its config class's summary line and every setting."""
-    from vca_patch.targets.base import CONFIG_TYPES
-
-    cls = CONFIG_TYPES.get(config.get("target"))
-    summary = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".") if cls is not None else ""
-    name = target_name(str(config.get("target")))
-    intro = f"vca-patch's {name} target" + (f" ({summary})." if summary else ".")
-    rows = "\n".join(f"| {key} | {value} |" for key, value in config.items() if key not in _SELECTION_FIELDS)
-    return name, intro, rows, getattr(cls, "citation", "") or "% no citation recorded for this target"
-
-
-def _mano_method(config: dict[str, Any]) -> tuple[str, str, str, str]:
-    levels = config["levels"] if config.get("levels") is not None else "auto"
-    intro = (
-        "[Multipole Attention](https://arxiv.org/abs/2507.02748) (MANO) with\n"
-        f"vca-patch. MANO attends within {config['window']}×"
-        f"{config['window']} windows on a hierarchy of grids\ncoarsened by {config['rate']} "
-        "and combined in a V-cycle, so attention costs O(N·C·(C + k²)) instead of O(N²·C)."
-    )
-    rows = (
-        f"| window k / rate r / levels | {config['window']} / {config['rate']} / {levels} |\n"
-        f"| down / up | {config['down']} / {config['up']} |\n"
-        f"| prefix tokens | {config['prefix']} |\n"
-        f"| initialisation | {config['init']} |"
-    )
-    return "Multipole Attention (MANO)", intro, rows, _MANO_CITATION
-
-
-def _vca_method(config: dict[str, Any]) -> tuple[str, str, str, str]:
-    intro = (
-        f"[Visual-Contrast Attention]({PAPER}) (VCA, NeurIPS 2025) with\n"
-        f"vca-patch. VCA attends through {config['contrast_tokens']} pooled\n"
-        "contrast tokens, so attention costs O(N·n·C) instead of O(N²·C) in the number of tokens N."
-    )
-    rows = (
-        f"| contrast tokens n | {config['contrast_tokens']} |\n"
-        f"| Stage-II softmax | {config['softmax']} |\n"
-        f"| initialisation | {config['init']} |"
-    )
-    return "Visual-Contrast Attention (VCA)", intro, rows, _VCA_CITATION
-
-
-_METHODS = {"vca": _vca_method, "mano": _mano_method}  # targets with a hand-written card text; others: generic
+    """(attention name, one-paragraph description, conversion-table rows, BibTeX) of the config's target, from its
+    registered config class's hooks (`card_section`, `citation`); generic text for a target without them."""
+    cls = _config_type(str(config.get("target", DEFAULT_TARGET)))
+    name, intro, rows = cls.card_section(config)
+    return name, intro, rows, cls.citation or "% no citation recorded for this target"
 
 
 def _install_line(meta: dict[str, Any]) -> str:

@@ -7,6 +7,8 @@ from typing import Any
 
 from vca_patch.families import SkippedSite
 from vca_patch.layers.layout import TokenLayout
+from vca_patch.targets import DEFAULT_TARGET
+from vca_patch.targets.base import target_display_name
 
 
 def settings_items(settings: dict[str, Any]) -> list[str]:
@@ -20,12 +22,10 @@ def settings_text(settings: dict[str, Any]) -> str:
     return " ".join(settings_items(settings))
 
 
-TARGET_NAMES = {"vca": "VCA", "mano": "MANO", "didb": "DIDB"}  # how reports and cards name a target
-
-
 def target_name(target: str) -> str:
-    """`"mano"` -> `"MANO"`: the display name of a registered target (its upper-cased key when not listed)."""
-    return TARGET_NAMES.get(target, target.upper())
+    """`"mano"` -> `"MANO"`: the display name of a registered target (its config class's `display_name` hook; the
+    upper-cased key when it has none or is not registered)."""
+    return target_display_name(target)
 
 
 @dataclass
@@ -54,7 +54,7 @@ class PatchReport:
     params_before: int
     params_after: int
     layout: TokenLayout | None = None  # prefix tokens and grid at the native input size
-    target: str = "vca"  # the TargetConfig.target the sites were (or would be) converted to
+    target: str = DEFAULT_TARGET  # the TargetConfig.target the sites were (or would be) converted to
 
     @property
     def params_added(self) -> int:

@@ -16,6 +16,13 @@ from vca_patch.core.errors import ConfigError
 from vca_patch.layers.carried import CarriedAttention
 
 CONFIG_TYPES: dict[str, type[TargetConfig]] = {}
+_SELECTION_FIELDS = {"target", "layers", "include", "exclude", "seed"}  # TargetConfig's own fields (and the key)
+
+
+def target_display_name(target: str) -> str:
+    """`"mano"` -> `"MANO"`: a registered target's `display_name`, else its upper-cased name."""
+    config_cls = CONFIG_TYPES.get(target)
+    return (config_cls.display_name if config_cls is not None else "") or target.upper()
 
 
 @dataclass
@@ -26,6 +33,10 @@ class TargetConfig:
     """
 
     target: ClassVar[str] = ""
+    # Presentation hooks for reports and model cards (shared code reads these, never a target's name):
+    display_name: ClassVar[str] = ""  # how reports and cards name the target; "" -> the upper-cased target name
+    tags: ClassVar[tuple[str, ...]] = ()  # Hub model-card tags beside "vca-patch"; () -> just the target name
+    citation: ClassVar[str] = ""  # BibTeX of the method's paper, for the model card; "" -> none recorded
 
     layers: list[int] | None = field(default=None, kw_only=True)
     include: str | None = field(default=None, kw_only=True)  # regex: patch only matching module paths
@@ -98,6 +109,21 @@ class TargetConfig:
         """Put `model` (patched with this config) into `state` at a recipe stage's start (the recipe engine calls
         this with the stage's `target_state`, merged over the earlier stages'). Default: only an empty state."""
         self.check_stage_state(state)
+
+    @classmethod
+    def card_section(cls, config: dict[str, Any]) -> tuple[str, str, str]:
+        """(attention name, one-paragraph description, conversion-table rows) of a checkpoint's model card, from
+        its config.json `config` block. Default: the config class's summary line and every non-selection setting."""
+        summary = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".") if cls.target and cls.__doc__ else ""
+        name = target_display_name(str(config.get("target", cls.target)))
+        intro = f"vca-patch's {name} target" + (f" ({summary})." if summary else ".")
+        rows = "\n".join(f"| {key} | {value} |" for key, value in config.items() if key not in _SELECTION_FIELDS)
+        return name, intro, rows
+
+    def is_packed(self, model: nn.Module) -> bool:
+        """Checkpoint-format hook: whether `model` (patched with this config) is held in the target's packed form,
+        which then is the only form it saves (`save_pretrained(..., packed=True)`). Default: no packed form."""
+        return False
 
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, **dataclasses.asdict(self)}

@@ -50,6 +50,7 @@ class DIDBConfig(TargetConfig):
 }"""
 
     target: ClassVar[str] = "didb"
+    display_name: ClassVar[str] = "DIDB"
 
     binarize: list[str] = field(default_factory=lambda: list(LINEARS))
     weights: bool = True

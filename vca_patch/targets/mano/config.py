@@ -9,6 +9,7 @@ from vca_patch.core.errors import ConfigError
 from vca_patch.layers.carried import CarriedAttention
 from vca_patch.layers.staged_carry import CarriedWindowAttention
 from vca_patch.targets.base import TargetConfig, is_int
+from vca_patch.targets.mano import card
 from vca_patch.targets.mano.layer import MultipoleAttention
 from vca_patch.targets.mano.windowed import build_window_mano
 
@@ -37,6 +38,9 @@ class MANOConfig(TargetConfig):
     """
 
     target: ClassVar[str] = "mano"
+    display_name: ClassVar[str] = card.DISPLAY_NAME
+    tags: ClassVar[tuple[str, ...]] = card.TAGS
+    citation: ClassVar[str] = card.CITATION
 
     window: int = field(default=7, metadata={"cli": "--window", "help": "Window side k"})
     rate: int = field(default=2, metadata={"cli": "--rate", "help": "Coarsening rate r between levels"})
@@ -87,3 +91,7 @@ class MANOConfig(TargetConfig):
             "up": layer.up_mode,
         }
         return {**settings, **getattr(layer, "hierarchical_settings", {})}  # stage, grid of Swin layers
+
+    @classmethod
+    def card_section(cls, config: dict[str, Any]) -> tuple[str, str, str]:
+        return card.card_section(config)

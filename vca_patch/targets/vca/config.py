@@ -14,6 +14,7 @@ from vca_patch.layers.carried import CarriedAttention
 from vca_patch.layers.joint_carry import CarriedJointAttention, CarriedSingleStreamAttention
 from vca_patch.layers.staged_carry import StagedCarriedAttention, default_stage_contrast_tokens
 from vca_patch.targets.base import TargetConfig, is_int
+from vca_patch.targets.vca import card
 from vca_patch.targets.vca.builders import build_vca
 from vca_patch.targets.vca.layer import VisualContrastAttention
 from vca_patch.targets.vca.neighbourhood import is_local_window
@@ -61,6 +62,9 @@ class VCAConfig(TargetConfig):
     """
 
     target: ClassVar[str] = "vca"
+    display_name: ClassVar[str] = card.DISPLAY_NAME
+    tags: ClassVar[tuple[str, ...]] = card.TAGS
+    citation: ClassVar[str] = card.CITATION
 
     contrast_tokens: int = dataclasses.field(
         default=49, metadata={"cli": "--contrast-tokens", "help": "Pooled contrast tokens n (a perfect square)"}
@@ -238,3 +242,7 @@ class VCAConfig(TargetConfig):
     def layer_settings(self, layer: VisualContrastAttention) -> dict[str, Any]:
         settings = {"contrast_tokens": layer.num_contrast_tokens, "lambda_init": layer.lambda_init}
         return {**settings, **getattr(layer, "hierarchical_settings", {})}  # stage, mode, grid of PVT/Swin layers
+
+    @classmethod
+    def card_section(cls, config: dict[str, Any]) -> tuple[str, str, str]:
+        return card.card_section(config)
