@@ -44,13 +44,11 @@ pytest.register_assert_rewrite("tests.helpers_hierarchical")
 
 @pytest.fixture
 def diffusers_loadable(monkeypatch):
-    """Register the diffusers base check with io.config_guard when the io package does not know it yet."""
-    from vca_patch.checkpoint import config_guard
-    from vca_patch.families.diffusers.dit import check_diffusers_base
+    """The diffusers adapter is loadable from config.json (its library declares its base check); kept for the
+    tests that request it."""
+    from vca_patch.families import loadable_adapters
 
-    if "diffusers-dit" not in config_guard.ADAPTER_LIBRARIES:
-        monkeypatch.setitem(config_guard.ADAPTER_LIBRARIES, "diffusers-dit", "diffusers")
-        monkeypatch.setitem(config_guard._BASE_CHECKS, "diffusers", check_diffusers_base)
+    assert loadable_adapters()["diffusers-dit"].name == "diffusers"
 
 
 @pytest.fixture

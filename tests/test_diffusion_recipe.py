@@ -174,7 +174,7 @@ def test_optimizer_trains_vca_parameters_and_qkv_out_at_the_lower_rate():
     assert groups["carried"]["lr_scale"] == pytest.approx(0.1) and "rest" not in groups
     assert not student.pos_embed.proj.weight.requires_grad  # outside attention: frozen
 
-    from vca_patch.train.params import guard_lambdas, lambda_trace
+    from vca_patch.targets.vca.training import guard_lambdas, lambda_trace
 
     lam = student.transformer_blocks[1].attn1.vca.lambda2  # the processor's layer holds these very modules
     with torch.no_grad():
@@ -272,7 +272,9 @@ def test_fidelity_cli_reports_layer_and_prediction_errors_of_a_diffusion_checkpo
 
     model = patched_dit()
     save_pretrained(model, tmp_path / "converted")
-    torch.save({"latents": torch.randn(6, 4, 16, 16), "class_labels": torch.arange(6)}, tmp_path / "latents.pt")
+    data = tmp_path / "latents"  # a folder apart: outputs may not be written inside an input folder
+    data.mkdir()
+    torch.save({"latents": torch.randn(6, 4, 16, 16), "class_labels": torch.arange(6)}, data / "latents.pt")
     args = [
         "fidelity",
         str(tmp_path / "converted"),
@@ -283,16 +285,16 @@ def test_fidelity_cli_reports_layer_and_prediction_errors_of_a_diffusion_checkpo
         "--json",
         str(tmp_path / "f.json"),
     ]
-    result = CliRunner().invoke(app, [*args, "--data", str(tmp_path)])
+    result = CliRunner().invoke(app, [*args, "--data", str(data)])
     assert result.exit_code == 0, result.output
     assert "transformer_blocks.1.attn1" in result.output and "prediction_error" in result.output.replace(" ", "_")
     report = json.loads((tmp_path / "f.json").read_text())
-    direct = diffusion_fidelity(None, model, latents=tmp_path, count=6)
+    direct = diffusion_fidelity(None, model, latents=data, count=6)
     assert report["latents"] == 6 and report["prediction"] == "epsilon"
     assert report["prediction_error"] == pytest.approx(direct["prediction_error"], rel=1e-6)  # the same draws
     assert report["layer_error"] == pytest.approx(direct["layer_error"], rel=1e-6)
     assert 0.01 < report["prediction_error"] < 1.0  # conversion alone: measured 0.10 on this tiny DiT
 
-    torch.save(torch.randn(2, 3, 16, 16), tmp_path / "bad.pt")
-    result = CliRunner().invoke(app, [*args, "--data", str(tmp_path)])
+    torch.save(torch.randn(2, 3, 16, 16), data / "bad.pt")
+    result = CliRunner().invoke(app, [*args, "--data", str(data)])
     assert result.exit_code == 2 and "bad.pt" in result.output

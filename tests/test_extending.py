@@ -18,15 +18,19 @@ from torch import nn
 from typer.testing import CliRunner
 
 import vca_patch
+from vca_patch.checkpoint import load_base_model
 from vca_patch.cli import app
-from vca_patch.core.errors import ConfigError
+from vca_patch.core.errors import ConfigError, UnsafeConfigError
 from vca_patch.families import (
     ADAPTERS,
     AttentionSite,
     ModelAdapter,
+    ModelLibrary,
     SkippedSite,
     adapter_by_name,
     adapter_for,
+    libraries,
+    loadable_adapters,
     register_family,
     unregister_family,
 )
@@ -262,8 +266,25 @@ class PlainViT(nn.Module):
         return self.head(x[:, 0])
 
 
+class PlainLibrary(ModelLibrary):
+    """The family's library hooks: its config.json guard and loading by name (`load_base_model("plain-vit")`)."""
+
+    name = "test"
+
+    def check_base(self, base: dict[str, Any], where: str) -> None:
+        if base != {"library": self.name, "architecture": "PlainViT"}:
+            raise UnsafeConfigError(f"{where}: base = {base!r} is not allowed: expected the PlainViT description")
+
+    def claims(self, name: str) -> bool:
+        return name == "plain-vit"
+
+    def load(self, name: str, *, pretrained: bool = True, weights: Any = None, model_args: Any = None) -> nn.Module:
+        return PlainViT()
+
+
 class PlainViTAdapter(ModelAdapter):
     name = FAMILY
+    library = PlainLibrary()
 
     @classmethod
     def applies_to(cls, model: nn.Module) -> bool:
@@ -385,3 +406,47 @@ def test_family_with_out_of_tree_target(family, scaled):
     report = vca_patch.patch_model(model, scaled(layers=[0, 2]))
     assert report.adapter == FAMILY and [s.path for s in report.patched] == ["layers.0.mixer", "layers.2.mixer"]
     assert (_outputs(model, x) - expected).abs().max() < 1e-12
+
+
+def test_family_checkpoint_round_trip_through_its_library(family, tmp_path):
+    """With its library hooks declared, the out-of-tree family loads by name, saves and reloads (merged form) with
+    identical outputs, and its own guard check refuses a config.json it did not write."""
+    assert loadable_adapters()[FAMILY] is libraries()["test"] is PlainViTAdapter.library
+    torch.manual_seed(2)
+    model = load_base_model("plain-vit").eval()  # asked of the family's library before timm's fallback
+    assert isinstance(model, PlainViT)
+    vca_patch.patch_model(model, vca_patch.VCAConfig())
+    x = torch.randn(2, 3, 32, 32)
+    expected = _outputs(model, x)
+
+    folder = vca_patch.save_pretrained(model, tmp_path / "ckpt")
+    meta = json.loads((folder / "config.json").read_text())
+    assert meta["adapter"] == FAMILY and meta["base"] == {"library": "test", "architecture": "PlainViT"}
+    assert "model_args" not in meta  # timm's own keys belong to timm bases only
+    loaded = vca_patch.from_pretrained(folder).eval()
+    assert type(loaded) is PlainViT and all(
+        isinstance(layer.mixer, vca_patch.VisualContrastAttention) for layer in loaded.layers
+    )
+    assert torch.equal(_outputs(loaded, x), expected)
+
+    meta["base"]["architecture"] = "os.system"
+    (folder / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(UnsafeConfigError, match="expected the PlainViT description"):
+        vca_patch.from_pretrained(folder)
+
+
+def test_family_without_library_cannot_be_saved(tmp_path):
+    """An adapter that declares no library converts models, but config.json may not name it."""
+
+    class NoLibraryAdapter(PlainViTAdapter):
+        name = "test-no-library"
+        library = None
+
+    register_family(NoLibraryAdapter)
+    try:
+        model = PlainViT().eval()
+        vca_patch.patch_model(model, vca_patch.VCAConfig())
+        with pytest.raises(UnsafeConfigError, match="adapter = 'test-no-library' is not allowed: expected one of"):
+            vca_patch.save_pretrained(model, tmp_path / "ckpt")
+    finally:
+        unregister_family("test-no-library")

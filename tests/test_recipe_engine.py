@@ -17,10 +17,10 @@ from tests.recovery_helpers import TINY_ARGS, head_less_pair, needs_fashion_mnis
 from vca_patch.checkpoint.folder import read_checkpoint_config
 from vca_patch.eval.fidelity import fidelity
 from vca_patch.recovery import calibrate
+from vca_patch.targets.vca.training import LAMBDA_ROUNDOFF
 from vca_patch.train import TrainingDiverged, finetune, recipe_from_dict, run_recipe, teacher_from
 from vca_patch.train import objective as objective_module
 from vca_patch.train.checkpoints import list_checkpoints
-from vca_patch.train.params import LAMBDA_ROUNDOFF
 
 pytestmark = needs_fashion_mnist
 ROOT = Path(__file__).resolve().parents[1]

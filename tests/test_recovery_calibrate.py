@@ -15,7 +15,7 @@ from vca_patch.eval.fidelity import fidelity
 from vca_patch.layers.layout import TokenLayout
 from vca_patch.recovery import calibrate
 from vca_patch.targets.vca.layer import VisualContrastAttention
-from vca_patch.train.params import clamp_lambda
+from vca_patch.targets.vca.training import clamp_lambda
 
 pytestmark = needs_fashion_mnist
 

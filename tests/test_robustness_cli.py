@@ -17,6 +17,7 @@ from vca_patch import patch_model
 from vca_patch.cli import app
 
 finetune_module = importlib.import_module("vca_patch.train.finetune")  # the module (the package re-exports a function)
+classification_task = importlib.import_module("vca_patch.train.tasks.classification")
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "fashion_mnist.yaml"
 runner = CliRunner()
 
@@ -62,6 +63,21 @@ def files(tmp_path_factory) -> dict[str, Path]:
     )
     out["textpth"] = root / "text.pth"
     out["root"] = root
+    unsafe = root / "unsafe"  # a checkpoint whose config.json the loading guard refuses
+    unsafe.mkdir()
+    for f in good.iterdir():
+        (unsafe / f.name).write_bytes(f.read_bytes())
+    meta = json.loads((unsafe / "config.json").read_text())
+    meta["base"]["model_args"]["checkpoint_path"] = "/etc/passwd"
+    (unsafe / "config.json").write_text(json.dumps(meta))
+    out["unsafe"] = unsafe
+    images = root / "images" / "test" / "cat"  # an ImageFolder --data with one image in its test split
+    images.mkdir(parents=True)
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(images / "a.png")
+    out["images"] = root / "images"
+    out["image"] = images / "a.png"
     return out
 
 
@@ -129,6 +145,25 @@ CASES = [  # (id, args with {name} placeholders, input names, exit code, substri
      ["is inside the converted checkpoint"]),
     ("finetune-foreign-folder", ["finetune", "{ckpt}", "--recipe", str(RECIPE), "-o", "{newer}"], ["ckpt", "newer"],
      2, ["is not empty and holds no finetune run", "--force"]),
+    # the output rule: never an input, inside one, or a file one reads; its folder exists; a file is not a folder
+    ("convert-model-folder-onto-itself", ["convert", "{ckpt}", "-o", "{ckpt}", "--force"], ["ckpt"], 2,
+     ["-o", "is the MODEL folder"]),
+    ("convert-into-model-folder", ["convert", "{ckpt}", "-o", "{ckpt}/sub", "--force"], ["ckpt"], 2,
+     ["is inside the MODEL folder"]),
+    ("convert-parent-is-a-file", ["convert", "deit_tiny_patch16_224", "--no-pretrained", "-o", "{textpth}/sub"],
+     ["textpth"], 2, ["is a file, not a folder"]),
+    ("fidelity-json-onto-config", ["fidelity", "{ckpt}", "--json", "{ckpt}/config.json", "--device", "cpu"], ["ckpt"],
+     2, ["--json", "is inside the checkpoint"]),
+    ("fidelity-json-onto-weights", ["fidelity", "{ckpt}", "--json", "{ckpt}/model.safetensors", "--device", "cpu"],
+     ["ckpt"], 2, ["--json", "is inside the checkpoint"]),
+    ("fidelity-plot-onto-data-image", ["fidelity", "{ckpt}", "--data", "{images}", "--plot", "{image}", "--device",
+     "cpu"], ["ckpt", "images"], 2, ["--plot", "is inside the --data"]),
+    ("fidelity-json-missing-folder", ["fidelity", "{ckpt}", "--json", "/nonexistent/dir/r.json", "--device", "cpu"],
+     ["ckpt"], 2, ["folder /nonexistent/dir does not exist"]),
+    ("fidelity-guard-refuses-config", ["fidelity", "{unsafe}", "--device", "cpu"], ["unsafe"], 2,
+     ["checkpoint_path"]),
+    ("bench-json-is-a-folder", [*BENCH, "deit_tiny_patch16_224", "--depth", "1", "--resolutions", "64", "--json",
+     "{root}"], ["root"], 2, ["--json", "is a folder"]),
     ("finetune-resume-nothing", ["finetune", "{ckpt}", "--recipe", str(RECIPE), "-o", "{out}", "--resume"], ["ckpt"],
      2, ["--resume:", "holds no training checkpoint"]),
 ]  # fmt: skip
@@ -142,6 +177,7 @@ def test_bad_input_gives_one_line_and_changes_nothing(files, tmp_path, monkeypat
     line = _one_error_line(result, code, *needles)
     assert "or --no-pretrained for random" not in line  # never a hint to pass what was passed
     assert not (tmp_path / "out").exists()
+    assert not Path("/nonexistent").exists()  # missing parents are never made
 
 
 def test_convert_into_the_current_folder_is_refused_and_leaves_no_debris(tmp_path, monkeypatch):
@@ -184,7 +220,7 @@ def test_an_interrupted_finetune_marks_metrics_and_names_the_resume_step(files, 
     """Ctrl-C inside the training loop: metrics.json says interrupted (not running) and --resume's step."""
     out = tmp_path / "run"
 
-    def interrupted(student, teacher, recipe, output, **kwargs):
+    def interrupted(student, teacher, recipe, output, *args, **kwargs):
         step = Path(output) / "checkpoints" / "step_0000007"
         step.mkdir(parents=True)
         (step / "trainer_state.json").write_text(json.dumps({"global_step": 7}))
@@ -192,8 +228,8 @@ def test_an_interrupted_finetune_marks_metrics_and_names_the_resume_step(files, 
         raise KeyboardInterrupt
 
     monkeypatch.setattr(finetune_module, "run_recipe", interrupted)
-    monkeypatch.setattr(finetune_module, "check_data_fits", lambda *a: None)
-    monkeypatch.setattr(finetune_module, "build_dataset", lambda *a, **k: [(torch.zeros(3, 224, 224), 0)])
+    monkeypatch.setattr(classification_task, "check_data_fits", lambda *a: None)
+    monkeypatch.setattr(classification_task, "build_dataset", lambda *a, **k: [(torch.zeros(3, 224, 224), 0)])
     result = _run(["finetune", str(files["ckpt"]), "--recipe", str(RECIPE), "-o", str(out), "--device", "cpu"],
                   [files["ckpt"]])  # fmt: skip
     _one_error_line(result, 130, "interrupted", "--resume", "step 7")

@@ -210,7 +210,7 @@ def test_convert_calibrates_on_the_named_split_and_measures_on_the_other(tmp_pat
         (["--split", "calib"], "--split choose splits of --calibration-data; pass it too"),
         (["--probe-size", "0"], "--probe-size must be at least 1 image, got 0"),
         (["--calibration-images", "0"], "--calibration-images must be at least 1 image, got 0"),
-        (["--to", "mano", "--eval-split", "val"], "--eval-split is for --to vca, not --to mano"),
+        (["--to", "mano", "--eval-split", "val"], "--eval-split is for --to vca or --to merge, not --to mano"),
     ],
 )
 def test_convert_refuses_split_and_size_options_that_cannot_apply(tmp_path, extra, message):

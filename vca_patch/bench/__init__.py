@@ -11,7 +11,6 @@ from vca_patch.bench.flops import (
     model_shape,
     register_attention_macs,
     softmax_attention_macs,
-    vca_attention_macs,
 )
 from vca_patch.bench.memory import peak_mib
 from vca_patch.bench.sweep import BenchSettings, check_resolutions, run_sweep
@@ -38,5 +37,4 @@ __all__ = [
     "run_sweep",
     "softmax_attention_macs",
     "time_interleaved",
-    "vca_attention_macs",
 ]

@@ -21,12 +21,12 @@ from torch import nn
 from vca_patch.bench.crossover import crossover
 from vca_patch.bench.errors import BenchError
 from vca_patch.bench.flops import AttentionShape, attention_macs
+from vca_patch.bench.kernels import cpu_kernel_status, use_cpu_kernels
 from vca_patch.bench.memory import peak_mib
 from vca_patch.bench.sweep import DTYPES
 from vca_patch.bench.timing import median, time_interleaved
 from vca_patch.surgery import patch_model
 from vca_patch.targets.base import TargetConfig
-from vca_patch.targets.vca import fused_cpu
 
 VAE_FACTOR = 8
 ORIGINAL = "original"
@@ -161,7 +161,7 @@ def run_diffusion_bench(
         patch_model(patched, config)
         variants[config.target] = (patched.eval(), config.target, config)
     rows: list[dict[str, Any]] = []
-    with fused_cpu.use_kernel(settings.cpu_kernel):
+    with use_cpu_kernels(settings.cpu_kernel):
         for px in sorted(settings.resolutions):
             tokens = shape.tokens(px)
             side = px // VAE_FACTOR
@@ -227,7 +227,7 @@ def _assemble(name, shape, blocks, variants, settings, rows) -> dict[str, Any]:
             "machine": platform.machine(),
             "cpu_count": os.cpu_count(),
             "loadavg_1_5_15": list(os.getloadavg()),
-            "vca_cpu_kernel": fused_cpu.kernel_status(),
+            **cpu_kernel_status(),  # "vca_cpu_kernel": ...
             "units": {"latency": "ms per denoising step (median)", "gmacs": "1e9 MACs per latent"},
         },
         "results": rows,

@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+import vca_patch.targets  # noqa: F401  (registers the built-in targets' MAC counts)
 from vca_patch.layers.macs import (  # noqa: F401  (re-exported: the registry lives with the layers)
     ATTENTION_MACS,
     AttentionMacs,
@@ -31,7 +32,6 @@ from vca_patch.layers.macs import (  # noqa: F401  (re-exported: the registry li
     register_attention_macs,
     softmax_attention_macs,
 )
-from vca_patch.targets.vca.macs import vca_attention_macs  # noqa: F401
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ from torch import nn
 from torch.utils import flop_counter
 
 from vca_patch.bench.errors import BenchError
+from vca_patch.bench.kernels import cpu_kernel_status, use_cpu_kernels
 from vca_patch.bench.timing import median, time_interleaved
 from vca_patch.targets.base import TargetConfig
-from vca_patch.targets.vca import fused_cpu
 
 FAMILIES = {"swin": "swin", "pvt_v2": "pvt"}  # timm name prefix -> family
 # The variants each family is measured in besides the original: name -> (registered target, config fields). Built
@@ -89,7 +89,7 @@ def build_base(model_name: str, px: int, *, seed: int = 0, model_args: dict[str,
 def counted_gmacs(model: nn.Module, x: torch.Tensor) -> float:
     """1e9 MACs of one forward, counted op by op (matmuls, convolutions, SDPA) on VCA's composite path."""
     _register_cpu_sdpa_flops()
-    with fused_cpu.use_kernel(False), flop_counter.FlopCounterMode(display=False) as counter:
+    with use_cpu_kernels(False), flop_counter.FlopCounterMode(display=False) as counter:
         model(x)
     return counter.get_total_flops() / 2 / x.shape[0] / 1e9
 
@@ -185,7 +185,7 @@ def run_hierarchical_sweep(
         "repeats": repeats,
         "threads": torch.get_num_threads(),
         "variants": {name: config and config.to_dict() for name, config in configs.items()},
-        "vca_cpu_kernel": fused_cpu.kernel_status(),
+        **cpu_kernel_status(),  # "vca_cpu_kernel": ...
         "finding": FINDINGS[fam],
         "torch": torch.__version__,
     }

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
-from vca_patch.core.atomic import atomic_write_text
+from vca_patch.core.atomic import atomic_file, atomic_write_text
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -95,8 +95,7 @@ def crossover_lines(result: dict[str, Any]) -> list[str]:
 
 
 def write_json(result: dict[str, Any], path: Path) -> None:
-    """Write `result` as indented JSON, atomically (a reader never sees half a file), making the folder."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write `result` as indented JSON, atomically (a reader never sees half a file); the folder must exist."""
     atomic_write_text(path, json.dumps(result, indent=2) + "\n")
 
 
@@ -135,6 +134,6 @@ def write_plot(result: dict[str, Any], path: Path) -> None:
     settings = result["meta"]["settings"]
     fig.suptitle(f"{settings['device']} {settings['dtype']}, batch {settings['batch']}")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with atomic_file(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)

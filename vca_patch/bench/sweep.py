@@ -14,10 +14,10 @@ import torch
 from vca_patch.bench.crossover import crossover
 from vca_patch.bench.errors import BenchError
 from vca_patch.bench.flops import ModelShape, model_macs, model_shape
+from vca_patch.bench.kernels import cpu_kernel_status, use_cpu_kernels
 from vca_patch.bench.memory import peak_mib
 from vca_patch.bench.timing import median, time_interleaved
 from vca_patch.bench.variants import ORIGINAL, UNFUSED, Variant
-from vca_patch.targets.vca import fused_cpu
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -150,7 +150,7 @@ def _divide_safely(a: float | None, b: float | None) -> float | None:
 
 def run_sweep(variants: list[Variant], settings: BenchSettings, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure every variant at every resolution; return a JSON-safe result (meta, results, ratios, crossover)."""
-    with fused_cpu.use_kernel(settings.cpu_kernel):
+    with use_cpu_kernels(settings.cpu_kernel):
         return _sweep(variants, settings, log)
 
 
@@ -296,7 +296,7 @@ def _meta(variants, settings, shape) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "loadavg_1_5_15": list(os.getloadavg()),  # other processes skew absolute times: check before quoting
         "malloc": malloc_setting(),
-        "vca_cpu_kernel": fused_cpu.kernel_status(),  # "fused", or why VCA ran its composite path
+        **cpu_kernel_status(),  # "vca_cpu_kernel": "fused", or why VCA ran its composite path
         "units": {
             "latency": "ms (median)",
             "memory": "MiB of tensors allocated during the call, peak (CPU: live-tensor tracker; CUDA: allocator)",

@@ -26,8 +26,6 @@ from torch import nn
 
 from vca_patch._version import __version__
 from vca_patch.checkpoint.config_guard import (
-    TIMM_ARCHITECTURE,
-    TIMM_CFG_SOURCES,
     check_loadable,
     local_name_or_path_removed,
 )
@@ -86,23 +84,6 @@ def _check_rebuildable(model: nn.Module, meta: dict[str, Any], tensors: dict[str
         )
 
 
-def _timm_keys(model: nn.Module, base: dict[str, Any]) -> dict[str, Any]:
-    """timm's config.json keys, so `timm.create_model("hf-hub:...")` finds the `vca_patch` entrypoint."""
-    args = dict(base.get("model_args", {}))
-    cfg = {k: v for k, v in (getattr(model, "pretrained_cfg", None) or {}).items() if k not in TIMM_CFG_SOURCES}
-    cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items() if v is not None}
-    if "num_classes" in args:
-        cfg["num_classes"] = args["num_classes"]
-    if args.get("img_size") is not None:
-        size, chans = args["img_size"], args.get("in_chans", cfg.get("input_size", [3])[0])
-        cfg["input_size"] = [chans, *(size if isinstance(size, (list, tuple)) else (size, size))]
-    return {"architecture": TIMM_ARCHITECTURE, "model_args": args, "pretrained_cfg": cfg}
-
-
-# Extra top-level config.json keys per base library (a second library adds its entry here).
-LIBRARY_KEYS = {"timm": _timm_keys}
-
-
 def checkpoint_metadata(
     model: nn.Module, *, model_args: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -126,9 +107,8 @@ def checkpoint_metadata(
         "metadata": dict(metadata or {}),
         "checkpoint_form": "merged",
     }
-    library_keys = LIBRARY_KEYS.get(base.get("library", ""))
-    if library_keys is not None:
-        meta.update(library_keys(model, base))
+    if state.adapter.library is not None:  # the library's own top-level keys (timm's: its entrypoint, options)
+        meta.update(state.adapter.library.config_keys(model, base))
     return meta
 
 

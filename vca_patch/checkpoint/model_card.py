@@ -135,18 +135,13 @@ def _eval_results(extra: dict[str, Any]) -> list[EvalResult]:
     return results
 
 
-# The Hub task of a base architecture that is no image classifier (None: no Hub task fits, e.g. class-conditional DiT).
-_TASKS = {
-    "DiTTransformer2DModel": None,
-    "PixArtTransformer2DModel": "text-to-image",
-    "SD3Transformer2DModel": "text-to-image",
-    "FluxTransformer2DModel": "text-to-image",
-}
-
-
 def _task(base: dict[str, Any]) -> str | None:
-    """The card's pipeline tag: a diffusion transformer's generation task, else image classification."""
-    return _TASKS.get(base["architecture"], TASK) if base["library"] == "diffusers" else TASK
+    """The card's pipeline tag: the base library's (`ModelLibrary.card_task`, e.g. a diffusion transformer's
+    generation task), else image classification."""
+    from vca_patch.families import libraries
+
+    library = libraries().get(base["library"])
+    return TASK if library is None else library.card_task(base, TASK)
 
 
 def _front_matter(meta: dict[str, Any], repo_id: str | None) -> str:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+from typing import Annotated
+
 import typer
 
 from vca_patch.cli.bench import bench
 from vca_patch.cli.convert import convert
+from vca_patch.cli.errors import DEBUG_ENV, guarded, silence_library_warnings
 from vca_patch.cli.fidelity import fidelity
 from vca_patch.cli.finetune import finetune
 from vca_patch.cli.inspect import inspect
@@ -19,13 +23,20 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-app.command()(bench)
-app.command()(convert)
-app.command()(fidelity)
-app.command()(finetune)
-app.command()(inspect)
-app.command()(plan)
-app.command()(push)
+for _command in (bench, convert, fidelity, finetune, inspect, plan, push):  # each inside the one error boundary
+    app.command(name=_command.__name__)(guarded(_command))
+
+
+@app.callback()
+def _options(
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show the full stack of an error (and library warnings)")
+    ] = False,
+) -> None:
+    """Convert pretrained vision transformers to Visual-Contrast Attention (VCA)."""
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
+    silence_library_warnings()
 
 
 @app.command()

@@ -10,7 +10,7 @@ import typer
 
 from vca_patch.cli.bench_timing import BenchTiming
 from vca_patch.cli.common import DEVICE_HELP, console, fail, parse_layers, prepare_cpu_kernel, resolve_device
-from vca_patch.core.errors import ConfigError
+from vca_patch.core.paths import check_output
 from vca_patch.targets.base import CONFIG_TYPES, TargetConfig
 
 
@@ -31,10 +31,7 @@ def _target_configs(spec: str, layers: list[int] | None) -> list[TargetConfig]:
         if config_cls is None:
             fail(f"unknown target {name!r}; known: {', '.join(sorted(CONFIG_TYPES))}", 2)
         fields = {f.name for f in dataclasses.fields(config_cls)}
-        try:
-            configs.append(config_cls(layers=layers) if "layers" in fields else config_cls())
-        except ConfigError as exc:
-            fail(str(exc), 2)
+        configs.append(config_cls(layers=layers) if "layers" in fields else config_cls())
     if not configs:
         fail("--target names no target", 2)
     return configs
@@ -82,12 +79,13 @@ def bench(
     from vca_patch.bench.hierarchical import family
     from vca_patch.bench.report import crossover_lines, ratios_table, results_table, write_json, write_plot
     from vca_patch.bench.sweep import DTYPES
-    from vca_patch.checkpoint import UnknownModelError
     from vca_patch.cli.bench_hierarchical import bench_hierarchical
-    from vca_patch.surgery import PatchError
 
     if dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", 2)
+    for option, out in (("--json", json_path), ("--plot", plot)):
+        if out is not None:  # before minutes of measuring: a folder, a missing folder or a file in the way
+            check_output(out, kind="file", option=option)
     from vca_patch.bench.diffusion import DIFFUSION_MODELS
 
     timing = BenchTiming(
@@ -130,25 +128,20 @@ def bench(
             compile=use_compile,
             cpu_kernel=cpu_kernel,
         )
-    except BenchError as exc:
-        fail(f"--{str(exc).replace('_', '-')}", 2)
+    except BenchError as exc:  # names the setting: say it as the option
+        raise BenchError(f"--{str(exc).replace('_', '-')}") from None
     if depth is not None and depth < 1:
         fail(f"--depth must be at least 1 block, got {depth}", 2)
     configs = _target_configs(target, parse_layers(layers))
     model_args = {"depth": depth} if depth is not None else {}
-    if device == "cpu" and dtype == "float32" and cpu_kernel and any(c.target == "vca" for c in configs):
+    if device == "cpu" and dtype == "float32" and cpu_kernel and any(type(c).cpu_kernel() is not None for c in configs):
         prepare_cpu_kernel()
     with console.status(f"Building {model} and its variants..."):
-        try:
-            variants = build_variants(model, configs, model_args=model_args, unfused=unfused)
-        except BenchError as exc:
-            fail(str(exc), 2)
-        except (UnknownModelError, PatchError) as exc:
-            fail(str(exc))
+        variants = build_variants(model, configs, model_args=model_args, unfused=unfused)
     try:
         check_resolutions(model_shape(variants[0].model), settings.resolutions)
-    except BenchError as exc:
-        fail(f"--resolutions: {model}: {exc}", 2)
+    except BenchError as exc:  # names the option and the model
+        raise BenchError(f"--resolutions: {model}: {exc}") from None
     with console.status("Measuring...") as status:
         # Progress replaces itself in the status line; what was skipped stays on screen.
         result = run_sweep(

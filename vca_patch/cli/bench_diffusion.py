@@ -6,7 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from vca_patch.cli.bench_timing import BenchTiming
-from vca_patch.cli.common import console, fail, prepare_cpu_kernel, resolve_device
+from vca_patch.cli.common import console, prepare_cpu_kernel, resolve_device
 from vca_patch.targets.base import TargetConfig
 
 
@@ -21,7 +21,6 @@ def bench_diffusion(
     json_path: Path | None,
 ) -> None:
     """Time MODEL (a `bench.diffusion.DIFFUSION_MODELS` shape, random weights) and print the crossover."""
-    from vca_patch.bench import BenchError
     from vca_patch.bench.diffusion import (
         DEFAULT_RESOLUTIONS,
         DiffusionBenchSettings,
@@ -37,17 +36,16 @@ def bench_diffusion(
         resolutions=list(resolutions or DEFAULT_RESOLUTIONS), **{**asdict(timing), "device": device},
         cpu_kernel=cpu_kernel,
     )  # fmt: skip
-    try:
-        check_diffusion_bench(model, settings, depth)  # before the kernel build and the models
-    except BenchError as exc:
-        fail(str(exc), 2)
-    if device == "cpu" and timing.dtype == "float32" and cpu_kernel and any(c.target == "vca" for c in configs):
+    check_diffusion_bench(model, settings, depth)  # before the kernel build and the models
+    if (
+        device == "cpu"
+        and timing.dtype == "float32"
+        and cpu_kernel
+        and any(type(c).cpu_kernel() is not None for c in configs)
+    ):
         prepare_cpu_kernel()
     with console.status(f"Measuring {model}...") as status:
-        try:
-            result = run_diffusion_bench(model, configs, settings, depth=depth, log=status.update)
-        except BenchError as exc:
-            fail(str(exc), 2)
+        result = run_diffusion_bench(model, configs, settings, depth=depth, log=status.update)
     console.print(diffusion_table(result))
     for line in crossover_text(result):
         console.print(line, highlight=False)

@@ -20,7 +20,6 @@ def bench_hierarchical(
     """Run and print the hierarchical sweep (`bench.hierarchical`); CPU float32 only."""
     import torch
 
-    from vca_patch.bench import BenchError
     from vca_patch.bench.hierarchical import hierarchical_table, run_hierarchical_sweep
     from vca_patch.bench.report import write_json
 
@@ -34,14 +33,11 @@ def bench_hierarchical(
         torch.set_num_threads(timing.threads)
     prepare_cpu_kernel()
     with console.status(f"Measuring {model}...") as status:
-        try:
-            result = run_hierarchical_sweep(
-                model, resolutions or DEFAULT_RESOLUTIONS, batch=timing.batch, warmup=timing.warmup,
-                repeats=timing.repeats, min_time=timing.min_time,
-                log=lambda m: console.print(m.strip()) if "skipped" in m else status.update(m),
-            )  # fmt: skip
-        except BenchError as exc:
-            fail(str(exc), 2)
+        result = run_hierarchical_sweep(
+            model, resolutions or DEFAULT_RESOLUTIONS, batch=timing.batch, warmup=timing.warmup,
+            repeats=timing.repeats, min_time=timing.min_time,
+            log=lambda m: console.print(m.strip()) if "skipped" in m else status.update(m),
+        )  # fmt: skip
     console.print(hierarchical_table(result))
     console.print(f"[dim]{result['meta']['finding']}[/]")
     if json_path is not None:

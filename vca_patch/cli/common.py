@@ -50,12 +50,14 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 
 def prepare_cpu_kernel() -> None:
-    """Load VCA's fused CPU kernel under a spinner (compiled on the first run), not silently in a first forward."""
-    from vca_patch.targets.vca import fused_cpu
+    """Load the targets' fused CPU kernels under a spinner (compiled on the first run), not silently in a first
+    forward."""
+    from vca_patch.bench.kernels import cpu_kernels
 
-    if fused_cpu.kernel_status() == "fused (not built yet)":
-        with console.status("Loading VCA's fused CPU kernel (compiled on the first run, 10–30 s)..."):
-            fused_cpu.kernel_available()
+    for name, kernel in cpu_kernels().items():
+        if kernel.status() == "fused (not built yet)":
+            with console.status(f"Loading {name}'s fused CPU kernel (compiled on the first run, 10–30 s)..."):
+                kernel.available()
 
 
 def parse_layers(spec: str | None) -> list[int] | None:
@@ -165,23 +167,23 @@ def _without_given_hint(message: str, *, pretrained: bool, weights: Path | None)
 
 
 def load_base(name: str, *, pretrained: bool, weights: Path | None, img_size: int | None) -> nn.Module:
-    """The model to convert or inspect, at --img-size; every expected failure exits with one clear line."""
-    from vca_patch.checkpoint import HubUnavailableError, UnknownModelError, WeightsMismatchError, load_base_model
+    """The model to convert or inspect, at --img-size; every expected failure raises one of vca-patch's errors
+    (which the CLI's error boundary reports in one line)."""
+    from vca_patch.checkpoint import HubUnavailableError, load_base_model
     from vca_patch.checkpoint.base_model import is_transformers_source
+    from vca_patch.core.errors import ConfigError
 
     model_args = img_size_args(img_size)
     if is_transformers_source(name):
         model_args = {}  # its size is the config's: checked below
     try:
         net = load_base_model(name, pretrained=pretrained, weights=weights, model_args=model_args)
-    except HubUnavailableError as exc:
-        fail(_without_given_hint(str(exc), pretrained=pretrained, weights=weights))
-    except (UnknownModelError, WeightsMismatchError) as exc:
-        fail(str(exc))
+    except HubUnavailableError as exc:  # its hint, less the options already given
+        raise HubUnavailableError(_without_given_hint(str(exc), pretrained=pretrained, weights=weights)) from None
     except TypeError as exc:
         if img_size is None or "img_size" not in str(exc):
             raise
-        fail(f"--img-size: {name} does not take an image size ({exc})", 2)
+        raise ConfigError(f"--img-size: {name} does not take an image size ({exc})") from None
     check_img_size(net, name, img_size)
     return net
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import torch
 import typer
 
-from vca_patch.checkpoint import OutputExistsError, save_pretrained
+from vca_patch.checkpoint import save_pretrained
 from vca_patch.checkpoint.folder import CARD_NAME, CONFIG_NAME, FORMS
 from vca_patch.cli.common import (
     DEVICE_HELP,
@@ -33,14 +33,14 @@ from vca_patch.cli.target_options import (
     target_names,
     typer_command,
 )
-from vca_patch.core.atomic import UnsafeOutputError, check_output_dir, check_output_outside_inputs, foreign_entries
+from vca_patch.core.atomic import check_output_dir, foreign_entries
 from vca_patch.core.errors import ConfigError
 from vca_patch.core.model_io import compare_outputs, probe_batch
+from vca_patch.core.paths import check_output
 from vca_patch.families.diffusers import probe as dfp
 from vca_patch.families.diffusers import source as dfs
-from vca_patch.surgery import PatchError, get_patch_state, patch_model
+from vca_patch.surgery import get_patch_state, patch_model
 from vca_patch.targets.base import CONFIG_TYPES, TargetConfig
-from vca_patch.targets.vca.config import VCAConfig
 
 LLAVA_SP = "llava-sp"  # not a registered target: its own command path, `_convert_llava_sp`
 CHECKPOINT_FILES = (CONFIG_NAME, CARD_NAME, *FORMS.values())  # what a checkpoint folder holds
@@ -132,21 +132,24 @@ def _checked_config(args: ConvertArgs, target_values: dict[str, Any]) -> TargetC
     if args.calibration_data is not None and dfs.is_local_diffusers(args.model):  # checked again once loaded
         fail("--calibration-data takes images for vision encoders; a diffusion transformer is measured on random "
              "latents, timesteps and conditions (distil it to recover quality)", 2)  # fmt: skip
-    try:
-        check_output_dir(args.output, overwrite=args.force)
-        data = args.calibration_data if _local(args.calibration_data) else None
-        inputs = {"--weights file": args.weights, "--calibration-data": data}
-        check_output_outside_inputs(args.output, inputs, replaces=True)
-        refuse_other_targets(args.to, target_values, _convert_only_options(args))
-        _check_calibration_options(args)
-        if args.plan is not None:
-            from vca_patch.planner import load_plan
+    _check_output(args)
+    refuse_other_targets(args.to, target_values, _convert_only_options(args))
+    _check_calibration_options(args)
+    if args.plan is not None:
+        from vca_patch.planner import load_plan
 
-            return load_plan(args.plan)
-        common = {"layers": parse_layers(args.layers), "seed": args.seed, "include": args.include}
-        return target_config(args.to, target_values, exclude=args.exclude, **common)
-    except (OutputExistsError, UnsafeOutputError, ConfigError) as exc:  # a bad --plan file: PlanError, a ConfigError
-        fail(str(exc), 2)
+        return load_plan(args.plan)
+    common = {"layers": parse_layers(args.layers), "seed": args.seed, "include": args.include}
+    return target_config(args.to, target_values, exclude=args.exclude, **common)
+
+
+def _check_output(args: ConvertArgs) -> None:
+    """The output rule (see `check_output`), before any work: -o is replaced as a whole, so it is none of the
+    inputs (a local MODEL folder, --weights, --calibration-data, --plan), is inside none and holds none."""
+    inputs = {"MODEL folder": Path(args.model), "--weights file": args.weights,
+              "--calibration-data": args.calibration_data, "--plan file": args.plan}  # fmt: skip
+    check_output(args.output, inputs, kind="folder", replaces=True, option="-o")
+    check_output_dir(args.output, overwrite=args.force)
 
 
 def _convert_only_options(args: ConvertArgs) -> dict[str, tuple[bool, tuple[str, ...]]]:
@@ -211,14 +214,11 @@ def _patch_measure_save(args: ConvertArgs, net: torch.nn.Module, config: TargetC
         dfp.probe_inputs(net, args.probe_size, args.seed) if diffusion else probe_batch(net, args.probe_size, args.seed)
     )
     run = dfp.predict if diffusion else (lambda module, x: module(x))
-    if isinstance(config, VCAConfig) and next(net.parameters()).device.type == "cpu":
-        prepare_cpu_kernel()  # VCA's fused CPU kernel: compiled on the first run, under its own spinner
+    if type(config).cpu_kernel() is not None and next(net.parameters()).device.type == "cpu":
+        prepare_cpu_kernel()  # a target's fused CPU kernel: compiled on the first run, under its own spinner
     with console.status("Patching and probing..."), torch.no_grad():
         reference = run(net, probe)
-        try:
-            report = patch_model(net, config, strict=args.strict)
-        except (PatchError, ConfigError) as exc:  # ConfigError: e.g. a --plan made for another model
-            fail(str(exc))
+        report = patch_model(net, config, strict=args.strict)
         metrics = compare_outputs(reference, run(net, probe))
     warn_contrast_grid(report, args.model)
     if diffusion:
@@ -242,24 +242,16 @@ def _patch_measure_save(args: ConvertArgs, net: torch.nn.Module, config: TargetC
 
 def _convert_llava_sp(args: ConvertArgs, target_values: dict[str, Any]) -> None:
     """`convert --to llava-sp`: add spatial tokens to a LLaVA's projector and save model, tokens and processor."""
-    from vca_patch.checkpoint.base_model import HubUnavailableError, UnknownModelError
     from vca_patch.targets.llava_sp import SpatialTokensConfig
     from vca_patch.targets.llava_sp.convert import convert_to_llava_sp
-    from vca_patch.targets.llava_sp.model import SpatialTokensError
 
+    _check_output(args)
+    refuse_other_targets(LLAVA_SP, target_values, _convert_only_options(args))
     try:
-        refuse_other_targets(LLAVA_SP, target_values, _convert_only_options(args))
         config = SpatialTokensConfig(variant=args.spatial_variant, num_tokens=args.spatial_tokens, seed=args.seed)
-    except (ValueError, ConfigError) as exc:
-        fail(str(exc), 2)
-    try:
-        with console.status(f"Adding {config.num_tokens} {config.variant} spatial tokens to {args.model}..."):
-            report = convert_to_llava_sp(
-                args.model, args.output, config, pretrained=args.pretrained, overwrite=args.force
-            )
-    except (OutputExistsError, UnsafeOutputError) as exc:
-        fail(str(exc), 2)
-    except (SpatialTokensError, UnknownModelError, HubUnavailableError) as exc:
-        fail(str(exc), 1)
+    except ValueError as exc:  # an option's value: the user's to fix
+        raise ConfigError(str(exc)) from exc
+    with console.status(f"Adding {config.num_tokens} {config.variant} spatial tokens to {args.model}..."):
+        report = convert_to_llava_sp(args.model, args.output, config, pretrained=args.pretrained, overwrite=args.force)
     console.print(str(report), highlight=False, soft_wrap=True)
     console.print(f"Saved {args.output}/ (load with vca_patch.load_spatial_tokens)")

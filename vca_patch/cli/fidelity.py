@@ -10,20 +10,18 @@ from rich.table import Table
 
 from vca_patch.bench.report import write_json
 from vca_patch.cli.common import DEVICE_HELP, DTYPE_HELP, console, fail, resolve_device, resolve_dtype
+from vca_patch.targets import CONFIG_TYPES, TargetConfig
 
 KINDS = ("fashion_mnist", "imagefolder", "hf")
 
 
 def data_spec(kind: str | None, path: str | None, split: str, limit: int | None, option: str = "--data-kind"):
     """A DataSpec for one evaluation split given on the command line; without `kind`, inferred from `path`."""
-    from vca_patch.data import DatasetError, infer_kind
+    from vca_patch.data import infer_kind
     from vca_patch.train.recipe import DataSpec
 
     if kind is None:
-        try:
-            kind = infer_kind(path)
-        except DatasetError as exc:
-            fail(str(exc), 2)
+        kind = infer_kind(path)
     if kind not in KINDS:
         fail(f"{option} must be one of {', '.join(KINDS)}, got {kind!r}", 2)
     return DataSpec(kind=kind, path=path, eval_split=split, eval_limit=limit)
@@ -56,9 +54,10 @@ def fidelity(
     import torch
     from torch.utils.data import DataLoader
 
-    from vca_patch.checkpoint import CheckpointError, from_pretrained
+    from vca_patch.checkpoint import from_pretrained
     from vca_patch.core.model_io import model_input_size
-    from vca_patch.data import DatasetError, build_dataset
+    from vca_patch.core.paths import check_output
+    from vca_patch.data import build_dataset
     from vca_patch.eval.fidelity import fidelity as measure
     from vca_patch.train.finetune import teacher_from
 
@@ -66,29 +65,29 @@ def fidelity(
         fail(f"--limit must be at least 1 image, got {limit}", 2)
     if batch_size < 1:
         fail(f"--batch-size must be at least 1, got {batch_size}", 2)
+    inputs = {"checkpoint": checkpoint, "--original checkpoint": original, "--data": data}
+    for option, out in (("--json", json_out), ("--plot", plot)):
+        if out is not None:  # before any work: never an input, never inside one, its folder exists
+            check_output(out, inputs, kind="file", option=option)
+    if json_out is not None and plot is not None and Path(json_out).resolve() == Path(plot).resolve():
+        fail(f"--json and --plot are the same file {json_out}; name two files", 2)
     torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
-    try:
-        model = from_pretrained(checkpoint, device=torch_device).to(torch_dtype)
-        reference = None
-        if original is not None:
-            reference = teacher_from(from_pretrained(original, device=torch_device).to(torch_dtype))
-    except CheckpointError as exc:
-        fail(str(exc), 2)
+    model = from_pretrained(checkpoint, device=torch_device).to(torch_dtype)
+    reference = None
+    if original is not None:
+        reference = teacher_from(from_pretrained(original, device=torch_device).to(torch_dtype))
     if type(model).__module__.startswith("diffusers."):  # latents, timesteps and conditions instead of images
         diffusion_fidelity(model, reference, data, limit, json_out)
         return
     spec = data_spec(data_kind, data, split, limit)
     size = model_input_size(model)
-    try:
-        dataset = build_dataset(
-            spec,
-            split,
-            training=False,
-            img_size=size[1],
-            model_cfg={**(getattr(model, "pretrained_cfg", None) or {}), "input_size": size},
-        )
-    except DatasetError as exc:
-        fail(str(exc), 2)
+    dataset = build_dataset(
+        spec,
+        split,
+        training=False,
+        img_size=size[1],
+        model_cfg={**(getattr(model, "pretrained_cfg", None) or {}), "input_size": size},
+    )
     with console.status(f"Measuring on {min(limit, len(dataset))} images..."), torch.no_grad():
         report = measure(reference, model, DataLoader(dataset, batch_size=batch_size))
     console.print(layers_table(report))
@@ -98,7 +97,7 @@ def fidelity(
     if plot is not None:
         try:
             report.plot(plot)
-        except ImportError as exc:
+        except ImportError as exc:  # matplotlib missing: what to install
             fail(str(exc), 2)
         console.print(f"wrote {plot}")
 
@@ -132,8 +131,8 @@ def diffusion_fidelity(model, reference, data: str | None, limit: int, json_out:
     with console.status(f"Measuring on {limit} {where}..."), torch.no_grad():
         try:
             report = measure(reference, model, latents=data, count=limit)
-        except (DatasetError, ValueError) as exc:
-            fail(str(exc), 2)
+        except ValueError as exc:  # the latents' shapes do not fit the model: the user's data
+            raise DatasetError(str(exc)) from exc
     table = Table(title="Per-layer relative error of the attention output", title_justify="left")
     for column in ("layer", "teacher-forced", "free-running"):
         table.add_column(column, justify="right" if column != "layer" else "left")
@@ -157,7 +156,9 @@ def summary_table(summary: dict[str, float], title: str = "Fidelity to the origi
     return table
 
 
-CALIBRATED_TARGETS = ("vca",)  # the targets `calibrate_for_convert` calibrates (its --calibration-data etc.)
+CALIBRATED_TARGETS = tuple(  # the targets `calibrate_for_convert` calibrates (its --calibration-data etc.)
+    name for name, cls in CONFIG_TYPES.items() if cls.calibrate_layer is not TargetConfig.calibrate_layer
+)
 
 
 def calibrate_for_convert(
@@ -181,27 +182,25 @@ def calibrate_for_convert(
     from torch.utils.data import DataLoader, Subset
 
     from vca_patch.core.model_io import model_input_size
-    from vca_patch.data import DatasetError, build_dataset
+    from vca_patch.core.patch_state import get_patch_state
+    from vca_patch.data import build_dataset
     from vca_patch.eval.fidelity import fidelity as measure
     from vca_patch.recovery import calibrate
-    from vca_patch.targets.vca.layer import VisualContrastAttention
 
     if data is None:
         with torch.no_grad():
             return measure(None, net, [probe]).summary(), f"{len(probe)} random probe images"
-    if not any(isinstance(m, VisualContrastAttention) for m in net.modules()):
-        fail("--calibration-data applies to VCA conversions only", 2)
+    state = get_patch_state(net)
+    if state is None or not any(state.config.calibrates(m) for m in net.modules()):
+        fail("--calibration-data applies to conversions whose target calibrates (VCA)", 2)
     spec = data_spec(kind, str(data), eval_split, None, "--calibration-kind")
     spec.train_split = split
     check_calibration_splits(Path(data), spec.kind, split, eval_split)
     size = model_input_size(net)
     cfg = {**(getattr(net, "pretrained_cfg", None) or {}), "input_size": size}
-    try:
-        # training=True: the train split (spec.augment is "none": eval transforms), disjoint from the held-out one
-        train = build_dataset(spec, "train", training=True, img_size=size[1], model_cfg=cfg)
-        held_out = build_dataset(spec, eval_split, training=False, img_size=size[1], model_cfg=cfg)
-    except DatasetError as exc:
-        fail(str(exc), 2)
+    # training=True: the train split (spec.augment is "none": eval transforms), disjoint from the held-out one
+    train = build_dataset(spec, "train", training=True, img_size=size[1], model_cfg=cfg)
+    held_out = build_dataset(spec, eval_split, training=False, img_size=size[1], model_cfg=cfg)
     calib = DataLoader(Subset(train, range(min(images, len(train)))), batch_size=64)
     probe_set = DataLoader(Subset(held_out, range(min(images, len(held_out)))), batch_size=64)
     with torch.no_grad():
@@ -216,19 +215,12 @@ def calibrate_for_convert(
 def check_calibration_splits(root: Path, kind: str | None, split: str, eval_split: str) -> None:
     """Exit with one line when an ImageFolder lacks either split, or both name one sub-folder (calibration would be
     measured on its own images). Other data kinds pass (their loaders check their splits)."""
-    from vca_patch.data import DatasetError, infer_kind
+    from vca_patch.data import infer_kind
     from vca_patch.data.imagefolder import split_folder
 
-    try:
-        if (kind or infer_kind(root)) != "imagefolder":
-            return
-    except DatasetError as exc:
-        fail(str(exc), 2)
-
-    try:
-        train, held_out = split_folder(root, split), split_folder(root, eval_split)
-    except DatasetError as exc:
-        fail(str(exc), 2)
+    if (kind or infer_kind(root)) != "imagefolder":
+        return
+    train, held_out = split_folder(root, split), split_folder(root, eval_split)
     if train is not None and train == held_out:
         fail(
             f"--split {split} and --eval-split {eval_split} are both {train}: calibration would be measured on its "

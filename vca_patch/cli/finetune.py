@@ -26,17 +26,13 @@ def _is_run(output: Path) -> bool:
 
 def check_finetune_output(converted: Path, recipe: Path, spec, output: Path, *, resume: bool, force: bool) -> None:
     """Exit with one line when --output would change an input, land in a foreign folder, or restart a run."""
-    from vca_patch.core.atomic import UnsafeOutputError, check_output_outside_inputs
+    from vca_patch.core.paths import check_output
     from vca_patch.train.checkpoints import latest_checkpoint
 
-    data = Path(spec.data.path) if spec.data.path and Path(spec.data.path).exists() else None
+    data = Path(spec.data.path) if spec.data.path else None
     inputs = {"converted checkpoint": converted, "recipe": recipe, "dataset": data}
-    try:
-        check_output_outside_inputs(output, inputs, replaces=False)
-    except UnsafeOutputError as exc:
-        fail(str(exc), 2)
-    if output.exists() and not output.is_dir():
-        fail(f"--output {output} is a file, not a folder", 2)
+    # written into, not replaced: it may hold an input, but none of the files a run writes may be one
+    check_output(output, inputs, kind="folder", replaces=False, writes=RUN_FILES, option="--output")
     if not resume and latest_checkpoint(output) is not None:
         fail(f"{output} already holds training checkpoints: pass --resume to continue, or choose a new --output", 2)
     if not resume and output.is_dir() and any(output.iterdir()) and not _is_run(output) and not force:
@@ -80,17 +76,14 @@ def finetune(
     (or torchrun); every stage runs on the chosen device, under the chosen autocast dtype.
     """
     from vca_patch.checkpoint import CheckpointError
-    from vca_patch.data import DatasetError
-    from vca_patch.train import RecipeError, TrainingDiverged, load_recipe
+    from vca_patch.core.errors import ConfigError
     from vca_patch.train import finetune as run
+    from vca_patch.train import load_recipe
     from vca_patch.train.checkpoints import latest_checkpoint
     from vca_patch.train.engine import make_accelerator
-    from vca_patch.train.finetune import TrainingInterrupted, resume_point
+    from vca_patch.train.finetune import resume_point
 
-    try:
-        spec = load_recipe(recipe)
-    except RecipeError as exc:
-        fail(str(exc), 2)
+    spec = load_recipe(recipe)
     check_finetune_output(converted, recipe, spec, output, resume=resume, force=force)
     if resume:
         step = resume_point(output)
@@ -103,16 +96,13 @@ def finetune(
             device="cpu" if cpu else device,
             grad_accum=spec.train.grad_accum,
         )
-    except ValueError as exc:
-        fail(str(exc), 2)
+    except ValueError as exc:  # --device / --mixed-precision: the user's to fix
+        raise ConfigError(str(exc)) from exc
+    # errors (recipe, data, checkpoint: 2; diverged: 1; Ctrl-C: 130) are reported by the CLI's error boundary
     try:
         result = run(converted, spec, output, resume=resume, accelerator=accelerator)
-    except (RecipeError, DatasetError, CheckpointError, FileNotFoundError) as exc:
-        fail(str(exc), 2)
-    except TrainingDiverged as exc:
-        fail(str(exc), 1)
-    except TrainingInterrupted as exc:
-        fail(str(exc), 130)
+    except FileNotFoundError as exc:  # an incomplete training checkpoint under --output: the user's files
+        raise CheckpointError(str(exc)) from exc
     if not accelerator.is_main_process:
         return
     final = result.metrics.get("final", {})

@@ -9,13 +9,12 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from vca_patch.cli.common import console, fail, load_base, parse_layers, warn_contrast_grid
+from vca_patch.cli.common import console, load_base, parse_layers, warn_contrast_grid
 from vca_patch.cli.report_view import sites_table, totals_table
 from vca_patch.cli.target_options import split_options, target_config, target_names, typer_command
-from vca_patch.core.errors import ConfigError
 from vca_patch.families.diffusers.dit import describe_sites
 from vca_patch.families.diffusers.probe import is_diffusers_model
-from vca_patch.surgery import PatchError, inspect_model
+from vca_patch.surgery import inspect_model
 from vca_patch.targets.base import TargetConfig
 from vca_patch.targets.llava_sp.plan import projector_table
 
@@ -43,21 +42,15 @@ class InspectArgs:
 def inspect(**options: Any) -> None:
     """Dry run: show MODEL's attention sites and what `convert` would do with each."""
     args, target_values = split_options(InspectArgs, options)
-    try:
-        selection = {"layers": parse_layers(args.layers), "include": args.include, "exclude": args.exclude}
-        config = target_config(args.to, target_values, **selection)
-    except ConfigError as exc:
-        fail(str(exc), 2)
+    selection = {"layers": parse_layers(args.layers), "include": args.include, "exclude": args.exclude}
+    config = target_config(args.to, target_values, **selection)
     _show(args, config)
 
 
 def _show(args: InspectArgs, config: TargetConfig) -> None:
     model, strict = args.model, args.strict
     net = load_base(model, pretrained=args.pretrained, weights=args.weights, img_size=args.img_size)
-    try:
-        report = inspect_model(net, config, strict=strict)
-    except PatchError as exc:
-        fail(str(exc))
+    report = inspect_model(net, config, strict=strict)
     console.print(sites_table(report, dry_run=True))
     if is_diffusers_model(net):  # what each attention is, and the tokens it sees
         kinds = Table(title="Diffusion transformer attention", title_justify="left")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -12,7 +10,8 @@ import typer
 from rich.table import Table
 
 from vca_patch.cli.common import console, fail, load_base
-from vca_patch.core.errors import ConfigError
+from vca_patch.core.atomic import atomic_file
+from vca_patch.core.paths import check_output
 from vca_patch.planner import PLAN_UNMERGE_MODES, PlanError, PlanResult, draw_front, plan_model, save_plan
 from vca_patch.planner.costs import token_counts
 from vca_patch.planner.images import image_files, load_images
@@ -134,47 +133,44 @@ def plan(
     ns = [] if contrast_tokens.strip().lower() == "none" else _numbers(contrast_tokens, int, "--contrast-tokens")
     ks = [] if mano_windows.strip().lower() in ("", "none") else _numbers(mano_windows, int, "--mano-windows")
     fractions = _numbers(merge_fractions, float, "--merge-fractions")
-    try:
-        if not budget > 0:
-            raise PlanError(f"--budget must be a positive latency ratio (e.g. 0.5), got {budget}")
-        if images < 1 or eval_images < 0:
-            raise PlanError("--images must be at least 1 and --eval-images at least 0")
-        if unmerge not in PLAN_UNMERGE_MODES:
-            raise PlanError(f"--unmerge must be one of {', '.join(PLAN_UNMERGE_MODES)}, got {unmerge!r}")
-        for path in (output, png):
-            if path.exists() and not force:
-                raise PlanError(f"{path} exists; pass --force to replace it")
-            if not path.parent.is_dir():
-                raise PlanError(f"cannot write {path}: folder {path.parent} does not exist")
-        files = image_files(calibration_data)
-        if len(files) < images + eval_images:
-            raise PlanError(
-                f"--calibration-data {calibration_data} holds {len(files)} images; --images {images} and "
-                f"--eval-images {eval_images} need {images + eval_images}"
-            )
-        if threads is not None:
-            torch.set_num_threads(threads)
-        net = load_base(model, pretrained=pretrained, weights=weights, img_size=resolution).eval()
-        cfg = getattr(net, "pretrained_cfg", None) or {}
-        norm = {k: tuple(cfg[k]) for k in ("mean", "std") if k in cfg}
-        calib = load_images(files[:images], resolution, **norm)
-        held = load_images(files[images : images + eval_images], resolution, **norm) if eval_images else None
-        with console.status(f"Planning {model} at {resolution} px for {budget:g}x latency..."):
-            result = plan_model(
-                net, calib, budget=budget, resolution=resolution, contrast_tokens=ns, mano_windows=ks,
-                local_window=local_window, merge_fractions=fractions, calibrate=calibrate, objective=objective,
-                unmerge=unmerge, eval_images=held, repeats=repeats, min_time=min_time, log=console.print,
-            )  # fmt: skip
-    except (PlanError, ConfigError) as exc:
-        fail(str(exc), 2)
+    if not budget > 0:
+        raise PlanError(f"--budget must be a positive latency ratio (e.g. 0.5), got {budget}")
+    if images < 1 or eval_images < 0:
+        raise PlanError("--images must be at least 1 and --eval-images at least 0")
+    if unmerge not in PLAN_UNMERGE_MODES:
+        raise PlanError(f"--unmerge must be one of {', '.join(PLAN_UNMERGE_MODES)}, got {unmerge!r}")
+    inputs = {"--calibration-data": calibration_data, "--weights file": weights, "MODEL": Path(model)}
+    for option, path in (("-o", output), ("--png", png)):  # never an input; its folder exists; --force to replace
+        check_output(path, inputs, kind="file", force=force, option=option)
+    if output.resolve() == png.resolve():
+        raise PlanError(f"the plan and its PNG are the same file {output}; name another --png")
+    files = image_files(calibration_data)
+    if len(files) < images + eval_images:
+        raise PlanError(
+            f"--calibration-data {calibration_data} holds {len(files)} images; --images {images} and "
+            f"--eval-images {eval_images} need {images + eval_images}"
+        )
+    if threads is not None:
+        if threads < 1:
+            raise PlanError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
+    net = load_base(model, pretrained=pretrained, weights=weights, img_size=resolution).eval()
+    cfg = getattr(net, "pretrained_cfg", None) or {}
+    norm = {k: tuple(cfg[k]) for k in ("mean", "std") if k in cfg}
+    calib = load_images(files[:images], resolution, **norm)
+    held = load_images(files[images : images + eval_images], resolution, **norm) if eval_images else None
+    with console.status(f"Planning {model} at {resolution} px for {budget:g}x latency..."):
+        result = plan_model(
+            net, calib, budget=budget, resolution=resolution, contrast_tokens=ns, mano_windows=ks,
+            local_window=local_window, merge_fractions=fractions, calibrate=calibrate, objective=objective,
+            unmerge=unmerge, eval_images=held, repeats=repeats, min_time=min_time, log=console.print,
+        )  # fmt: skip
     console.print(plan_table(result))
     console.print(summary_table(result))
     warning = over_budget_line(result)
     if warning:
         console.print(f"[yellow]{warning}[/]", highlight=False)
-    fd, tmp = tempfile.mkstemp(prefix=f".{png.name}.", suffix=".png", dir=png.parent)
-    os.close(fd)
-    try:
+    with atomic_file(png, suffix=".png") as tmp:
         series = {
             "merging alone (predicted)": [(c.latency, c.cls) for c in result.merging_front],
             "planner (predicted)": [(c.latency, c.cls) for c in result.front],
@@ -187,9 +183,6 @@ def plan(
         )
         draw_front(tmp, series, title=f"{model} at {resolution} px", budget=budget, chosen=chosen)
         save_plan(output, result.config, result.details(model))
-        os.replace(tmp, png)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
     console.print(
         f"[bold green]Saved[/] {output} and {png}; apply with: vca-patch convert {model} --plan {output} -o DIR"
     )

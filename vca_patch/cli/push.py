@@ -7,9 +7,8 @@ from typing import Annotated
 
 import typer
 
-from vca_patch.checkpoint import CheckpointError
-from vca_patch.cli.common import console, fail
-from vca_patch.hub import HubAuthError, HubError, HubUnavailableError, InvalidRepoIdError, push_to_hub
+from vca_patch.cli.common import console
+from vca_patch.hub import push_to_hub
 
 
 def push(
@@ -26,14 +25,7 @@ def push(
 
     A LLaVA-SP folder (`convert --to llava-sp`) goes up whole: model, spatial tokens, processor and card.
     """
-    try:
-        with console.status(f"Pushing {directory} to {repo_id}..."):
-            url = push_to_hub(
-                directory, repo_id, private=private, token=token, revision=revision, commit_message=message
-            )
-    except (InvalidRepoIdError, CheckpointError) as exc:
-        fail(str(exc), 2)
-    except (HubAuthError, HubUnavailableError, HubError) as exc:
-        fail(str(exc))
+    with console.status(f"Pushing {directory} to {repo_id}..."):
+        url = push_to_hub(directory, repo_id, private=private, token=token, revision=revision, commit_message=message)
     console.print(f"[bold green]Pushed[/] {directory}/ to {repo_id}")
     console.print(url, highlight=False, soft_wrap=True)

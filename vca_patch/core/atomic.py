@@ -67,6 +67,35 @@ def foreign_entries(path: Path, owned: Collection[str]) -> list[str]:
     return sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir() if p.name not in owned)
 
 
+def current_umask() -> int:
+    """The process's umask (read from /proc where it can be, without changing it; else set and restored)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def public_mode(path: Path | str, *, folder: bool = False) -> None:
+    """Give a temporary file (0600) or folder (0700) the mode a plain open/mkdir would: 0666/0777 less the umask."""
+    os.chmod(path, (0o777 if folder else 0o666) & ~current_umask())
+
+
+def _public_tree(root: Path) -> None:
+    """Give `root` and everything under it the modes a plain open/mkdir would (executable files stay executable)."""
+    mask = current_umask()
+    for entry in [root, *root.rglob("*")]:
+        if entry.is_symlink():
+            continue
+        mode = 0o777 if entry.is_dir() or entry.stat().st_mode & 0o100 else 0o666
+        os.chmod(entry, mode & ~mask)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -75,10 +104,26 @@ def atomic_write_text(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        public_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def atomic_file(path: Path | str, *, suffix: str = "") -> Iterator[Path]:
+    """Yield a temporary path beside `path` to write (by any writer, e.g. matplotlib); on success it replaces
+    `path` in one rename, with the mode a plain open would give; on any error it is removed and `path` is kept."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        public_mode(tmp)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 @contextmanager
@@ -90,11 +135,14 @@ def staged_directory(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """
     dest = Path(os.path.abspath(dest))  # "." or "a/.." have no name of their own; a symlink stays the link
     check_output_dir(dest, overwrite=overwrite)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    if not dest.parent.is_dir():  # missing parents are never made: a typo would scatter folders
+        raise UnsafeOutputError(f"cannot write {dest}: folder {dest.parent} does not exist (create it first)")
     stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent))
+    public_mode(stage, folder=True)
     trash: Path | None = None
     try:
         yield stage
+        _public_tree(stage)  # writers that stage privately (mkstemp, safetensors): the umask's modes, as open() gives
         if dest.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
             os.replace(dest, trash / dest.name)

@@ -19,6 +19,14 @@ class HubUnavailableError(RuntimeError):
     """Weights or configs are needed from the Hugging Face Hub and it cannot be reached."""
 
 
+def offline_error(what: str, reason: str) -> HubUnavailableError:
+    """The loaders' error for something that must come from the Hub while it is unreachable (`reason`)."""
+    return HubUnavailableError(
+        f"{what} must come from the Hugging Face Hub, which is unreachable here ({reason}). "
+        "Use --weights FILE for a local checkpoint, or --no-pretrained for random weights."
+    )
+
+
 def hub_offline_reason(timeout: float = 3.0) -> str | None:
     """Why the Hub cannot be reached (None when it can): offline mode or no TCP connection."""
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vca_patch.core.atomic import atomic_file
 from vca_patch.core.model_io import (  # noqa: F401  (re-exported for callers of eval.fidelity)
     compare_outputs,
     features_and_logits,
@@ -90,7 +91,8 @@ class FidelityReport:
         ax.legend()
         fig.tight_layout()
         path = Path(path)
-        fig.savefig(path)
+        with atomic_file(path, suffix=".png") as tmp:  # an interrupted write keeps the old file
+            fig.savefig(tmp, format="png")
         plt.close(fig)
         return path
 

@@ -7,6 +7,7 @@ from torch import nn
 from vca_patch.families.base import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite
 from vca_patch.families.diffusers.dit import DiffusersDiTAdapter
 from vca_patch.families.generic.adapter import GenericAdapter
+from vca_patch.families.library import ModelLibrary
 from vca_patch.families.timm.pvt import TimmPVTAdapter
 from vca_patch.families.timm.swin import TimmSwinAdapter
 from vca_patch.families.timm.vit import TimmViTAdapter
@@ -57,6 +58,23 @@ def unregister_family(name: str) -> type[ModelAdapter]:
         raise ValueError(f"unknown adapter {name!r}; known: {list(ADAPTERS)}") from None
 
 
+def libraries() -> dict[str, ModelLibrary]:
+    """Library name -> its hooks (families/library.py), from the registered adapters' `library`, in the order
+    of `ADAPTERS` (the first adapter naming a library declares it)."""
+    out: dict[str, ModelLibrary] = {}
+    for adapter_cls in ADAPTERS.values():
+        library = adapter_cls.library
+        if library is not None:
+            out.setdefault(library.name, library)
+    return out
+
+
+def loadable_adapters() -> dict[str, ModelLibrary]:
+    """Adapter name -> the library it rebuilds, for every registered adapter that declares one (a checkpoint
+    config.json may name only these)."""
+    return {name: cls.library for name, cls in ADAPTERS.items() if cls.library is not None}
+
+
 def adapter_for(model: nn.Module) -> ModelAdapter | None:
     """The first adapter that knows this model's family, or None."""
     for adapter_cls in ADAPTERS.values():
@@ -77,9 +95,12 @@ __all__ = [
     "AttentionSite",
     "LayoutTracker",
     "ModelAdapter",
+    "ModelLibrary",
     "SkippedSite",
     "adapter_by_name",
     "adapter_for",
+    "libraries",
+    "loadable_adapters",
     "register_family",
     "unregister_family",
 ]

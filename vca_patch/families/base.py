@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vca_patch.families.library import ModelLibrary
 from vca_patch.families.verify import TOLERANCE, verification_error
 from vca_patch.layers.carried import CarriedAttention
 from vca_patch.layers.layout import TokenLayout, close_scope, open_scope, recorded_layout, scoped_layout
@@ -79,14 +80,25 @@ class LayoutTracker:
 
     def __init__(self, adapter: ModelAdapter) -> None:
         self.adapter = adapter
+        # The layout of the call being traced by torch.compile / torch.export (dynamo cannot trace a context
+        # variable): a plain attribute, set by this hook and read by the layers within the same traced call, so
+        # the traced graph carries the layout as the (symbolic) shapes it is derived from; None outside one.
+        self.traced: TokenLayout | None = None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        open_scope(self, self.adapter.layout_from_embedding(module, args, kwargs, output))
+        layout = self.adapter.layout_from_embedding(module, args, kwargs, output)
+        if torch.compiler.is_compiling():
+            self.traced = layout
+        else:
+            open_scope(self, layout)
 
     def current(self) -> TokenLayout:
         """The layout of the forward this call belongs to; a clear error outside one."""
-        layout = scoped_layout(self)
-        if layout is None and torch.is_grad_enabled():
+        if torch.compiler.is_compiling():
+            layout = self.traced if self.traced is not None else scoped_layout(self)
+        else:
+            layout = scoped_layout(self)
+        if layout is None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             layout = recorded_layout()  # a recomputation under gradient checkpointing
         if layout is None:
             raise RuntimeError(
@@ -127,13 +139,19 @@ class LayoutScopeEnd:
         self.tracker = tracker
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
-        close_scope(self.tracker)
+        if torch.compiler.is_compiling():
+            self.tracker.traced = None
+        else:
+            close_scope(self.tracker)
 
 
 class ModelAdapter(ABC):
     """Knows one model family: where its attention is, its token layout, how to rebuild it."""
 
     name: str
+    # The hooks of the model library this family rebuilds (guard checks, loading by name, card task); None: its
+    # models convert but cannot be saved / reloaded (see families/library.py).
+    library: ModelLibrary | None = None
     # Whether a patched layer can be called alone on its input tokens (with `layout=`), as fidelity and attention
     # transfer do. False where it takes its grid/windows/shift from hooks on its block (PVT stages, Swin windows):
     # those are measured by teacher forcing inside one forward of the model (`train.forced`).

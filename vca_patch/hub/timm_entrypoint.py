@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vca_patch.checkpoint.folder import TIMM_ARCHITECTURE, build_model, read_checkpoint_config
+from vca_patch.checkpoint.config_guard import TIMM_ARCHITECTURE
+from vca_patch.checkpoint.folder import build_model, read_checkpoint_config
 from vca_patch.hub.load import from_pretrained
 from vca_patch.hub.resolve import fetch_checkpoint
 

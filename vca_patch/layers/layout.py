@@ -41,6 +41,12 @@ class TokenLayout:
             )
 
 
+def as_size(value: int | torch.SymInt | torch.Tensor) -> int:
+    """A grid size as an int, kept symbolic under torch.compile / torch.export (`int()` on a symbolic size would
+    specialise the traced graph to the size seen: one recompile per resolution, a grid baked into an export)."""
+    return value if isinstance(value, (int, torch.SymInt)) else int(value)
+
+
 _SCOPES: ContextVar[dict[Hashable, TokenLayout] | None] = ContextVar("vca_patch_layout_scopes", default=None)
 _GRAPH_KEY = "vca_patch.layout"
 _GRAPH_SEARCH_LIMIT = 4096  # autograd nodes visited at most when a recomputation looks for its layout

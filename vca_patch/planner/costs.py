@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vca_patch.bench.flops import AttentionShape, vca_attention_macs
+from vca_patch.bench.flops import AttentionShape
 from vca_patch.bench.timing import median, time_interleaved
 from vca_patch.eval.final_tokens import final_tokens
 from vca_patch.layers.layout import TokenLayout
@@ -21,6 +21,7 @@ from vca_patch.targets.mano.config import MANOConfig
 from vca_patch.targets.mano.macs import mano_attention_macs
 from vca_patch.targets.merge import MergeConfig
 from vca_patch.targets.vca.config import VCAConfig
+from vca_patch.targets.vca.macs import vca_attention_macs
 
 
 def merged_away(tokens: int, prefix: int, r: int) -> int:

@@ -151,6 +151,56 @@ class TargetConfig:
     def from_json(cls, text: str) -> TargetConfig:
         return cls.from_dict(json.loads(text))
 
+    # ---- Calibration and compute-kernel hooks (issue #41): recovery/calibrate.py's driver and bench/ call these ----
+    def calibrates(self, layer: nn.Module) -> bool:
+        """Whether `layer` (one of the layers this config patched in) has a closed-form calibration,
+        `calibrate_layer`. Default: no; `vca_patch.calibrate` leaves the target's layers at their own init."""
+        return False
+
+    def calibrate_layer(self, layer: nn.Module, capture: Any, teacher: Any, measure: Any, **options: Any) -> dict:
+        """Fit `layer` in place, teacher-forced: `capture` holds its `inputs`, the original's `outputs` and the
+        `layout`; `teacher` is the original attention's input to the output projection on `capture.inputs`;
+        `measure(step)` records the layer's error after each step; `options` are `calibrate`'s per-layer keywords.
+        Returns the report's facts for the layer: {"contrast_tokens": int, "temperature": list | None}."""
+        raise ConfigError(f"target {self.target!r} ({type(self).__name__}) has no closed-form calibration")
+
+    def grown_tokens(self, tokens: int, num_patches: int) -> int:
+        """The next token count for a calibrated layer with `tokens` whose error stays above `grow_tokens`, on a
+        grid of `num_patches` (the same count: it cannot grow). Default: no growth."""
+        return tokens
+
+    def with_more_tokens(self, grow: dict[int, int]) -> TargetConfig:
+        """This config with the token counts of `grow` ({block index: count}) to re-patch those blocks with."""
+        raise ConfigError(f"target {self.target!r} ({type(self).__name__}) cannot grow tokens")
+
+    @classmethod
+    def cpu_kernel(cls) -> Any:
+        """The target's compute kernel for reports and A/B runs, or None (default): an object with `available()`
+        (builds it on first use, never raises), `status()` (one report line, no build), `use(enabled)` (context
+        manager forcing it off inside the block when False) and `disabled()` (= `use(False)`)."""
+        return None
+
+    # ---- end of calibration and compute-kernel hooks ----
+
+    # ---- Recovery-training hooks (issue #41): train/params.py and the recipe engine call these ----
+    def parameter_groups(self, model: nn.Module) -> dict[str, list[nn.Parameter]]:
+        """The target's parameters of `model` (patched with this config) that the recipe engine trains in a group of
+        their own, by group name; a stage's `<name>_lr` sets its learning rate (VCA: "lambda", `lambda_lr`).
+        Default: none (all the target's new parameters train at the stage's `lr`)."""
+        return {}
+
+    def guard_parameters(self, model: nn.Module, high: float) -> int:
+        """Project constrained parameters of `model` back into range after an optimizer step (the recipe's
+        `lambda_guard: clamp`, bound `lambda_max`); returns how many moved. Default: nothing to guard."""
+        return 0
+
+    def parameter_trace(self, model: nn.Module) -> dict[str, Any]:
+        """Health values of the target's parameters, recorded in each evaluation of metrics.json (VCA:
+        {"lambda": [[λ₁, λ₂] per layer]}). Default: none."""
+        return {}
+
+    # ---- end of recovery-training hooks ----
+
 
 def is_int(value: Any) -> bool:
     """An int that is not a bool: what a config field typed `int` accepts from JSON."""

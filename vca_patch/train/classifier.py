@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -11,25 +13,34 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 
+@dataclass
+class ClassifierTraining:
+    """The settings of `train_classifier`."""
+
+    epochs: float = 1.0
+    batch_size: int = 128
+    lr: float = 2e-3
+    weight_decay: float = 0.05
+    warmup_steps: int = 50
+    label_smoothing: float = 0.0
+    time_limit_s: float | None = None
+    seed: int = 0
+    log_every: int = 0
+
+
 def train_classifier(
-    model: nn.Module,
-    dataset: Dataset,
-    *,
-    epochs: float = 1.0,
-    batch_size: int = 128,
-    lr: float = 2e-3,
-    weight_decay: float = 0.05,
-    warmup_steps: int = 50,
-    label_smoothing: float = 0.0,
-    time_limit_s: float | None = None,
-    seed: int = 0,
-    log_every: int = 0,
+    model: nn.Module, dataset: Dataset, settings: ClassifierTraining | None = None, **fields: Any
 ) -> dict[str, float]:
-    """AdamW + warmup-cosine cross-entropy training; stops early at `time_limit_s`. Returns a summary."""
-    generator = torch.Generator().manual_seed(seed)
+    """AdamW + warmup-cosine cross-entropy training; stops early at `time_limit_s`. Returns a summary.
+
+    `settings` (or its fields as keywords: epochs=..., lr=..., ...; see `ClassifierTraining`)."""
+    o = settings or ClassifierTraining(**fields)
+    epochs, batch_size, lr, warmup_steps = o.epochs, o.batch_size, o.lr, o.warmup_steps
+    label_smoothing, time_limit_s, log_every = o.label_smoothing, o.time_limit_s, o.log_every
+    generator = torch.Generator().manual_seed(o.seed)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, generator=generator)
     total = max(1, int(epochs * len(loader)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=o.weight_decay)
 
     def schedule(step: int) -> float:
         if step < warmup_steps:

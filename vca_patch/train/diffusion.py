@@ -28,7 +28,7 @@ from vca_patch.recovery.capture import patched_modules
 from vca_patch.surgery import get_patch_state
 from vca_patch.train.diffusion_data import model_family
 from vca_patch.train.diffusion_spec import DiffusionSpec
-from vca_patch.train.objective import RecoveryObjective, register_stage_loss
+from vca_patch.train.objective import RecoveryObjective
 
 EVAL_BATCH = 16
 
@@ -150,7 +150,6 @@ def _per_sample_mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() - b.float()).pow(2).flatten(1).mean(1)
 
 
-@register_stage_loss("distill_diffusion")
 def distill_diffusion_loss(
     objective: RecoveryObjective, x0: torch.Tensor, cond: dict[str, torch.Tensor]
 ) -> torch.Tensor:
@@ -225,13 +224,7 @@ def evaluate_diffusion(
                 t_pred = predict(teacher, x_t, t, cond)
             with attention_outputs(student, paths) as s_out:
                 s_pred = predict(student, x_t, t, cond)
-            layout = s_out["__layouts__"][-1]
-            for p in paths:
-                args, kwargs, ref = t_calls[p]
-                out = attention_output(student.get_submodule(p)(*args, **kwargs, layout=layout))
-                for acc, got in ((forced[p], out), (free[p], s_out[p])):
-                    acc[0] += float((got.double() - ref.double()).pow(2).sum())
-                    acc[1] += float(ref.double().pow(2).sum())
+            _add_layer_errors(student, paths, t_calls, s_out, forced, free)
             pred_err += float((s_pred.double() - t_pred.double()).pow(2).sum())
             pred_ref += float(t_pred.double().pow(2).sum())
             C = x0.shape[1]
@@ -241,11 +234,7 @@ def evaluate_diffusion(
     finally:
         student.train(was[0])
         teacher.train(was[1])
-
-    def rel(acc: list[float]) -> float:
-        return math.sqrt(acc[0] / max(acc[1], 1e-30))
-
-    layer_error = [rel(forced[p]) for p in paths]
+    layer_error = [_relative(forced[p]) for p in paths]
     return {
         "prediction_error": math.sqrt(pred_err / max(pred_ref, 1e-30)),
         "objective_student": obj_s / n,
@@ -254,7 +243,30 @@ def evaluate_diffusion(
         "max_layer_error": max(layer_error, default=0.0),
         "layers": paths,
         "layer_error": layer_error,
-        "layer_error_free": [rel(free[p]) for p in paths],
+        "layer_error_free": [_relative(free[p]) for p in paths],
         "latents": n,
         "prediction": schedule.prediction,
     }
+
+
+def _add_layer_errors(
+    student: nn.Module,
+    paths: list[str],
+    t_calls: dict[str, Any],
+    s_out: dict[str, Any],
+    forced: dict[str, list[float]],
+    free: dict[str, list[float]],
+) -> None:
+    """Add one batch's squared errors and reference energies per layer: teacher-forced (the student's layer on the
+    teacher's call) into `forced`, each model on its own activations into `free`."""
+    layout = s_out["__layouts__"][-1]
+    for p in paths:
+        args, kwargs, ref = t_calls[p]
+        out = attention_output(student.get_submodule(p)(*args, **kwargs, layout=layout))
+        for acc, got in ((forced[p], out), (free[p], s_out[p])):
+            acc[0] += float((got.double() - ref.double()).pow(2).sum())
+            acc[1] += float(ref.double().pow(2).sum())
+
+
+def _relative(acc: list[float]) -> float:
+    return math.sqrt(acc[0] / max(acc[1], 1e-30))

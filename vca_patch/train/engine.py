@@ -30,12 +30,11 @@ from vca_patch.core.errors import ConfigError
 from vca_patch.recovery.calibrate import calibrate
 from vca_patch.surgery import get_patch_state
 from vca_patch.train.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, trainer_state
-from vca_patch.train.diffusion import evaluate_diffusion
-from vca_patch.train.evaluation import evaluate
 from vca_patch.train.objective import RecoveryObjective
 from vca_patch.train.optim import StageScheduler, stage_optimizer
-from vca_patch.train.params import guard_lambdas, lambda_trace
-from vca_patch.train.recipe import Recipe, RecipeError
+from vca_patch.train.params import guard_parameters, parameter_trace
+from vca_patch.train.recipe import Recipe, RecipeError, StageSpec
+from vca_patch.train.tasks import task_for
 
 MIXED_PRECISION = {"auto": "auto", "no": "no", "bf16": "bf16", "fp16": "fp16"}
 _ALIASES = {"float32": "no", "fp32": "no", "none": "no", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
@@ -263,22 +262,45 @@ def _new_ema(student: nn.Module, decay: float) -> nn.Module:
     return ema
 
 
+@dataclass
+class RunOptions:
+    """What `run_recipe` takes besides the models, the recipe and the output folder."""
+
+    train_set: Dataset
+    eval_set: Dataset | None = None
+    resume: bool = False  # continue from the latest checkpoint under output/checkpoints
+    accelerator: Any = None  # None: one made from the recipe's train.mixed_precision
+    num_classes: int = 0  # for mixup / cutmix labels
+    stop_after_steps: int | None = None  # stop (after checkpointing) at this global step, as an interruption would
+    extra_metrics: dict[str, Any] | None = None  # merged into metrics.json
+
+
+@dataclass
+class _StageLoop:
+    """One training stage's prepared objects: the objective (wrapped), optimizer, schedule, batches, loss window."""
+
+    stage: StageSpec
+    target_state: dict[str, Any]
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    batches: Iterator[Any]
+    trainable: list[nn.Parameter]
+    window: _Window
+    lr: float = 0.0
+
+
 def run_recipe(
     student: nn.Module,
     teacher: nn.Module,
     recipe: Recipe,
     output: str | Path,
-    *,
-    train_set: Dataset,
-    eval_set: Dataset | None = None,
-    resume: bool = False,
-    accelerator: Any = None,
-    num_classes: int = 0,
-    stop_after_steps: int | None = None,
-    extra_metrics: dict[str, Any] | None = None,
+    options: RunOptions | None = None,
+    **fields: Any,
 ) -> RunResult:
     """Run every stage of `recipe` on `student` (patched) against `teacher` (the original, frozen).
 
+    `options` (or its fields as keywords: train_set=..., eval_set=..., resume=..., ...; see `RunOptions`).
     Both models run on the accelerator's device, in the student's dtype (mixed precision per the
     accelerator). Writes output/metrics.json (every evaluation) and output/checkpoints/step_*/ every
     `train.checkpoint_every` optimizer steps and at the end of each stage. `resume` continues from the
@@ -286,186 +308,265 @@ def run_recipe(
     global step, as an interruption would. Raises TrainingDiverged on a NaN/inf loss; the last good
     checkpoint stays on disk.
     """
-    from accelerate.utils import set_seed
-
-    output = Path(output)
-    tr = recipe.train
-    _check_target_states(student, recipe)  # a target_state the target cannot apply fails here, before any work
-    accelerator = accelerator or make_accelerator(tr.mixed_precision, grad_accum=tr.grad_accum)
-    _configure(accelerator, tr.grad_accum)
-    device, world, main = accelerator.device, accelerator.num_processes, accelerator.is_main_process
-    set_seed(tr.seed)
-    student.to(device)
-    teacher.to(device).eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    dtype = _model_dtype(student)
-    loader = _train_loader(train_set, tr.batch_size, recipe.data.num_workers, world, tr.seed)
-    mixup = None
-    if recipe.data.mixup > 0 or recipe.data.cutmix > 0:
-        from vca_patch.data import mixup_fn
-
-        mixup = mixup_fn(recipe.data, num_classes)
-    ema = _new_ema(student, tr.ema_decay) if tr.ema_decay > 0 else None
-
-    metrics: dict[str, Any] = {
-        "recipe": recipe.name,
-        "status": "running",
-        "world_size": world,
-        "device": str(next(student.parameters()).device),
-        "mixed_precision": accelerator.mixed_precision,
-        "global_batch": tr.batch_size * world * tr.grad_accum,
-        **(extra_metrics or {}),
-        "evaluations": [],
-    }
-    global_step = stage_index = stage_step = 0
-    ckpt, saved_window = None, None
-    if resume:
-        ckpt = latest_checkpoint(output)
-        if ckpt is None:
-            raise FileNotFoundError(f"--resume: no checkpoint under {output}/checkpoints")
-        progress_state = trainer_state(ckpt)
-        global_step, stage_index, stage_step = (progress_state[k] for k in ("global_step", "stage_index", "stage_step"))
-        metrics["evaluations"] = progress_state["evaluations"]
-        metrics["before"] = progress_state.get("before", {})
-        metrics["resumed_from"] = global_step
-        saved_window = progress_state.get("window")
-
-    def write_metrics() -> None:
-        if main:
-            output.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(output / "metrics.json", json.dumps(metrics, indent=2) + "\n")
-
-    def eval_now(model: nn.Module) -> dict[str, Any]:
-        if recipe.diffusion is not None:  # a diffusion transformer: layer and prediction errors (train.diffusion)
-            return evaluate_diffusion(model, teacher, eval_set, tr.eval_images, recipe.diffusion)
-        return evaluate(model, teacher, eval_set, tr.eval_images, accelerator)
-
-    if not resume:
-        metrics["before"] = eval_now(student)
-    progress = _Progress(main, recipe.total_steps, global_step)
-    completed = True
+    run = _RecipeRun(student, teacher, recipe, Path(output), options or RunOptions(**fields))
+    run.begin()
     try:
-        while stage_index < len(recipe.stages):
-            stage = recipe.stages[stage_index]
-            target_state = stage_target_state(recipe, stage_index)  # also re-applied when resuming in this stage
-            _apply_target_state([student] + ([ema.module] if ema is not None else []), target_state)
-            if stage.kind == "calibrate":
-                subset = Subset(train_set, range(min(stage.calibration_images, len(train_set))))
-                calib = [(x.to(device=device, dtype=dtype), y) for x, y in DataLoader(subset, batch_size=64)]
-                report = calibrate(student, calib)
-                before, after = report.mean_error("init"), report.mean_error()
-                progress.print(f"[{stage.name}] calibrated: mean layer error {before:.3f} -> {after:.3f}")
-                stage_index, stage_step = stage_index + 1, 0
-                if ema is not None:
-                    ema = _new_ema(student, tr.ema_decay)
-                continue
-            accelerator.free_memory()
-            across = (lambda t: accelerator.reduce(t, "mean")) if world > 1 else None
-            objective = RecoveryObjective(student, teacher, stage, across, recipe.diffusion)
-            optimizer = stage_optimizer(student, stage)
-            scheduler = StageScheduler(optimizer, stage)
-            model, optimizer, train_loader, scheduler = accelerator.prepare(objective, optimizer, loader, scheduler)
-            window = _Window(device)
-            if ckpt is not None:
-                load_checkpoint(accelerator, ckpt, ema.module if ema is not None else None)
-                window, ckpt = _Window(device, saved_window), None
-            trainable = [p for g in optimizer.param_groups for p in g["params"]]
-            batches = _batches(accelerator, train_loader, tr.seed, global_step * tr.grad_accum)
-            model.train()
-            while stage_step < stage.steps:
-                tick = time.monotonic()
-                step_loss = torch.zeros((), device=device)
-                for _ in range(tr.grad_accum):
-                    x, y = next(batches)
-                    if mixup is not None and stage.kind == "distill":
-                        x, y = mixup(x, y)
-                    x = x.to(dtype=dtype)
-                    with accelerator.accumulate(model):
-                        loss = model(x, y)
-                        accelerator.backward(loss)
-                        step_loss += loss.detach()
-                        if accelerator.sync_gradients:
-                            step_loss = accelerator.reduce(step_loss, "mean") / tr.grad_accum
-                            if not bool(torch.isfinite(step_loss)):  # the one host sync per optimizer step
-                                metrics.update(status="diverged", diverged_at_step=global_step + 1, stage=stage.name)
-                                write_metrics()
-                                last = latest_checkpoint(output)
-                                raise TrainingDiverged(
-                                    f"loss became {float(step_loss):.3g} at step {global_step + 1} (stage "
-                                    f"{stage.name!r}, stage step {stage_step + 1}); stopped before applying it. "
-                                    f"Last good checkpoint: {last or 'none (no checkpoint written yet)'}"
-                                )
-                            if tr.grad_clip > 0:
-                                accelerator.clip_grad_norm_(trainable, tr.grad_clip)
-                            lr_now = optimizer.param_groups[0]["lr"]
-                        optimizer.step()
-                        if accelerator.sync_gradients:
-                            scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
-                if tr.lambda_guard == "clamp":
-                    guard_lambdas(student, tr.lambda_max)
-                if ema is not None:
-                    ema.update(student)
-                global_step += 1
-                stage_step += 1
-                window.add(step_loss, tr.batch_size * world * tr.grad_accum, time.monotonic() - tick)
-                log = global_step % tr.log_every == 0
-                rate = window.throughput()
-                speed = f"{rate:.0f} img/s" if rate >= 10 else f"{rate:.2f} img/s"  # slow steps: not "0 img/s"
-                info = f"loss {float(step_loss):.4f}  lr {lr_now:.2e}  {speed}" if log else None
-                progress.update(stage.name, global_step, info, log)
-                last_of_stage = stage_step == stage.steps
-                if global_step % tr.eval_every == 0 or last_of_stage:
-                    record: dict[str, Any] = {
-                        "stage": stage.name,
-                        "kind": stage.kind,
-                        "step": global_step,
-                        "stage_step": stage_step,
-                        "loss": window.mean_loss(),
-                        "lr": lr_now,
-                        "images_per_s": window.throughput(),
-                        "lambda": lambda_trace(student),
-                    }
-                    if target_state:
-                        record["target_state"] = dict(target_state)
-                    record.update(eval_now(student))
-                    if ema is not None:
-                        record["ema"] = {k: v for k, v in eval_now(ema.module).items() if k != "layer_error"}
-                    model.train()
-                    metrics["evaluations"].append(record)
-                    window = _Window(device)
-                    write_metrics()
-                if global_step % tr.checkpoint_every == 0 or last_of_stage:
-                    progress_state = {
-                        "global_step": global_step,
-                        "stage_index": stage_index,
-                        "stage_step": stage_step,
-                        "evaluations": metrics["evaluations"],
-                        "before": metrics.get("before", {}),
-                        "window": window.state(),
-                    }
-                    save_checkpoint(
-                        accelerator, output, global_step, progress_state, ema.module if ema else None,
-                        keep=tr.keep_checkpoints,
-                    )  # fmt: skip
-                if stop_after_steps is not None and global_step >= stop_after_steps:
-                    completed = False
-                    break
-            if not completed:
-                break
-            stage_index, stage_step = stage_index + 1, 0
+        run.train_stages()
     finally:
-        progress.close()
-        accelerator.free_memory()
-    student.eval()
-    final_model = ema.module if ema is not None else student
-    if completed:
-        metrics["status"] = "completed"
-        metrics["final"] = dict(metrics["evaluations"][-1]) if metrics["evaluations"] else {}
-        if ema is not None:
-            metrics["final"] = {**eval_now(ema.module), "weights": "ema"}
-    else:
-        metrics["status"] = "interrupted"
-    write_metrics()
-    return RunResult(final_model, metrics, completed)
+        run.progress.close()
+        run.accelerator.free_memory()
+    return run.finish()
+
+
+class _RecipeRun:
+    """The state of one `run_recipe` call; each method is one named step of the run."""
+
+    def __init__(self, student: nn.Module, teacher: nn.Module, recipe: Recipe, output: Path, opts: RunOptions) -> None:
+        from accelerate.utils import set_seed
+
+        tr = recipe.train
+        _check_target_states(student, recipe)  # a target_state the target cannot apply fails here, before any work
+        self.student, self.teacher, self.recipe, self.output, self.opts, self.tr = (
+            student, teacher, recipe, output, opts, tr
+        )  # fmt: skip
+        self.accelerator = opts.accelerator or make_accelerator(tr.mixed_precision, grad_accum=tr.grad_accum)
+        _configure(self.accelerator, tr.grad_accum)
+        acc = self.accelerator
+        self.device, self.world, self.main = acc.device, acc.num_processes, acc.is_main_process
+        set_seed(tr.seed)
+        student.to(self.device)
+        teacher.to(self.device).eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        self.dtype = _model_dtype(student)
+        self.loader = _train_loader(opts.train_set, tr.batch_size, recipe.data.num_workers, self.world, tr.seed)
+        self.task = task_for(recipe)
+        self.mixup = self.task.batch_mixer(recipe, opts.num_classes)
+        self.ema = _new_ema(student, tr.ema_decay) if tr.ema_decay > 0 else None
+        self.metrics: dict[str, Any] = {
+            "recipe": recipe.name,
+            "status": "running",
+            "world_size": self.world,
+            "device": str(next(student.parameters()).device),
+            "mixed_precision": acc.mixed_precision,
+            "global_batch": tr.batch_size * self.world * tr.grad_accum,
+            **(opts.extra_metrics or {}),
+            "evaluations": [],
+        }
+        self.global_step = self.stage_index = self.stage_step = 0
+        self.ckpt: Path | None = None
+        self.saved_window: dict[str, float] | None = None
+        self.completed = True
+
+    # -- resume, metrics, evaluation ------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Resume from the latest checkpoint, or measure the student before training; start the progress bar."""
+        if self.opts.resume:
+            self.resume()
+        else:
+            self.metrics["before"] = self.evaluate(self.student)
+        self.progress = _Progress(self.main, self.recipe.total_steps, self.global_step)
+
+    def resume(self) -> None:
+        """Step counters, evaluations and the loss window from the latest checkpoint (its weights load later)."""
+        self.ckpt = latest_checkpoint(self.output)
+        if self.ckpt is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.output}/checkpoints")
+        state = trainer_state(self.ckpt)
+        self.global_step, self.stage_index, self.stage_step = (
+            state[k] for k in ("global_step", "stage_index", "stage_step")
+        )
+        self.metrics["evaluations"] = state["evaluations"]
+        self.metrics["before"] = state.get("before", {})
+        self.metrics["resumed_from"] = self.global_step
+        self.saved_window = state.get("window")
+
+    def write_metrics(self) -> None:
+        if self.main:
+            self.output.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.output / "metrics.json", json.dumps(self.metrics, indent=2) + "\n")
+
+    def evaluate(self, model: nn.Module) -> dict[str, Any]:
+        """The recipe's task's measurements of `model` against the teacher on the evaluation set."""
+        return self.task.evaluate(model, self.teacher, self.opts.eval_set, self.recipe, self.accelerator)
+
+    # -- stages ----------------------------------------------------------------------------------------------
+
+    def train_stages(self) -> None:
+        """Every stage from the current one on; stops early (self.completed False) at `stop_after_steps`."""
+        while self.stage_index < len(self.recipe.stages):
+            stage = self.recipe.stages[self.stage_index]
+            target_state = self.enter_stage()
+            if stage.kind == "calibrate":
+                self.calibrate(stage)
+            elif not self.train_stage(stage, target_state):
+                self.completed = False
+                return
+            self.stage_index, self.stage_step = self.stage_index + 1, 0
+
+    def enter_stage(self) -> dict[str, Any]:
+        """Put the student (and its EMA copy) into the stage's target state; also re-applied when resuming."""
+        target_state = stage_target_state(self.recipe, self.stage_index)
+        _apply_target_state([self.student] + ([self.ema.module] if self.ema is not None else []), target_state)
+        return target_state
+
+    def calibrate(self, stage: StageSpec) -> None:
+        """A calibration stage: closed-form fit of the new layers on the first training images."""
+        train_set = self.opts.train_set
+        subset = Subset(train_set, range(min(stage.calibration_images, len(train_set))))
+        calib = [(x.to(device=self.device, dtype=self.dtype), y) for x, y in DataLoader(subset, batch_size=64)]
+        report = calibrate(self.student, calib)
+        before, after = report.mean_error("init"), report.mean_error()
+        self.progress.print(f"[{stage.name}] calibrated: mean layer error {before:.3f} -> {after:.3f}")
+        if self.ema is not None:
+            self.ema = _new_ema(self.student, self.tr.ema_decay)
+
+    def prepare_stage(self, stage: StageSpec, target_state: dict[str, Any]) -> _StageLoop:
+        """The stage's objective, optimizer, schedule and loader through `Accelerator.prepare`; a pending resume
+        checkpoint loads into them."""
+        acc = self.accelerator
+        acc.free_memory()
+        across = (lambda t: acc.reduce(t, "mean")) if self.world > 1 else None
+        objective = RecoveryObjective(self.student, self.teacher, stage, across, self.recipe.diffusion)
+        optimizer = stage_optimizer(self.student, stage)
+        scheduler = StageScheduler(optimizer, stage)
+        model, optimizer, train_loader, scheduler = acc.prepare(objective, optimizer, self.loader, scheduler)
+        window = _Window(self.device)
+        if self.ckpt is not None:
+            load_checkpoint(acc, self.ckpt, self.ema.module if self.ema is not None else None)
+            window, self.ckpt = _Window(self.device, self.saved_window), None
+        trainable = [p for g in optimizer.param_groups for p in g["params"]]
+        batches = _batches(acc, train_loader, self.tr.seed, self.global_step * self.tr.grad_accum)
+        return _StageLoop(stage, target_state, model, optimizer, scheduler, batches, trainable, window)
+
+    def train_stage(self, stage: StageSpec, target_state: dict[str, Any]) -> bool:
+        """The optimizer steps of one training stage; False when stopped at `stop_after_steps`."""
+        loop = self.prepare_stage(stage, target_state)
+        loop.model.train()
+        while self.stage_step < stage.steps:
+            tick = time.monotonic()
+            step_loss = self.optimizer_step(loop)
+            self.guard_parameters()
+            if self.ema is not None:
+                self.ema.update(self.student)
+            self.global_step += 1
+            self.stage_step += 1
+            loop.window.add(step_loss, self.tr.batch_size * self.world * self.tr.grad_accum, time.monotonic() - tick)
+            self.log_step(loop, step_loss)
+            last_of_stage = self.stage_step == stage.steps
+            if self.global_step % self.tr.eval_every == 0 or last_of_stage:
+                self.evaluate_step(loop)
+            if self.global_step % self.tr.checkpoint_every == 0 or last_of_stage:
+                self.checkpoint(loop)
+            stop = self.opts.stop_after_steps
+            if stop is not None and self.global_step >= stop:
+                return False
+        return True
+
+    # -- one optimizer step ----------------------------------------------------------------------------------
+
+    def optimizer_step(self, loop: _StageLoop) -> torch.Tensor:
+        """`grad_accum` micro-batches and one update; the step's mean loss (a device tensor)."""
+        acc, tr = self.accelerator, self.tr
+        step_loss = torch.zeros((), device=self.device)
+        for _ in range(tr.grad_accum):
+            x, y = next(loop.batches)
+            if self.mixup is not None and loop.stage.kind == "distill":
+                x, y = self.mixup(x, y)
+            x = x.to(dtype=self.dtype)
+            with acc.accumulate(loop.model):
+                loss = loop.model(x, y)
+                acc.backward(loss)
+                step_loss += loss.detach()
+                if acc.sync_gradients:
+                    step_loss = acc.reduce(step_loss, "mean") / tr.grad_accum
+                    self.check_finite(loop.stage, step_loss)
+                    if tr.grad_clip > 0:
+                        acc.clip_grad_norm_(loop.trainable, tr.grad_clip)
+                    loop.lr = loop.optimizer.param_groups[0]["lr"]
+                loop.optimizer.step()
+                if acc.sync_gradients:
+                    loop.scheduler.step()
+                loop.optimizer.zero_grad(set_to_none=True)
+        return step_loss
+
+    def check_finite(self, stage: StageSpec, step_loss: torch.Tensor) -> None:
+        """Stop (TrainingDiverged, metrics marked) before applying a NaN/inf loss: the one host sync per step."""
+        if bool(torch.isfinite(step_loss)):
+            return
+        self.metrics.update(status="diverged", diverged_at_step=self.global_step + 1, stage=stage.name)
+        self.write_metrics()
+        last = latest_checkpoint(self.output)
+        raise TrainingDiverged(
+            f"loss became {float(step_loss):.3g} at step {self.global_step + 1} (stage {stage.name!r}, stage step "
+            f"{self.stage_step + 1}); stopped before applying it. "
+            f"Last good checkpoint: {last or 'none (no checkpoint written yet)'}"
+        )
+
+    def guard_parameters(self) -> None:
+        """The target's parameter guard after each update (VCA: λ projected back into [0, λ_max])."""
+        if self.tr.lambda_guard == "clamp":
+            guard_parameters(self.student, self.tr.lambda_max)
+
+    def log_step(self, loop: _StageLoop, step_loss: torch.Tensor) -> None:
+        log = self.global_step % self.tr.log_every == 0
+        rate = loop.window.throughput()
+        speed = f"{rate:.0f} img/s" if rate >= 10 else f"{rate:.2f} img/s"  # slow steps: not "0 img/s"
+        info = f"loss {float(step_loss):.4f}  lr {loop.lr:.2e}  {speed}" if log else None
+        self.progress.update(loop.stage.name, self.global_step, info, log)
+
+    # -- evaluation and checkpoints ------------------------------------------------------------------------
+
+    def evaluate_step(self, loop: _StageLoop) -> None:
+        """Record the window's loss and throughput and the task's measurements (and the EMA's) in metrics.json."""
+        stage = loop.stage
+        record: dict[str, Any] = {
+            "stage": stage.name,
+            "kind": stage.kind,
+            "step": self.global_step,
+            "stage_step": self.stage_step,
+            "loss": loop.window.mean_loss(),
+            "lr": loop.lr,
+            "images_per_s": loop.window.throughput(),
+            **parameter_trace(self.student),  # the target's health values (VCA: "lambda")
+        }
+        if loop.target_state:
+            record["target_state"] = dict(loop.target_state)
+        record.update(self.evaluate(self.student))
+        if self.ema is not None:
+            record["ema"] = {k: v for k, v in self.evaluate(self.ema.module).items() if k != "layer_error"}
+        loop.model.train()
+        self.metrics["evaluations"].append(record)
+        loop.window = _Window(self.device)
+        self.write_metrics()
+
+    def checkpoint(self, loop: _StageLoop) -> None:
+        """A `save_state` checkpoint with the step counters, evaluations and loss window to resume from."""
+        progress_state = {
+            "global_step": self.global_step,
+            "stage_index": self.stage_index,
+            "stage_step": self.stage_step,
+            "evaluations": self.metrics["evaluations"],
+            "before": self.metrics.get("before", {}),
+            "window": loop.window.state(),
+        }
+        ema = self.ema.module if self.ema else None
+        save_checkpoint(
+            self.accelerator, self.output, self.global_step, progress_state, ema, keep=self.tr.keep_checkpoints
+        )
+
+    def finish(self) -> RunResult:
+        """The final metrics (the EMA weights measured again) and the weights to publish."""
+        self.student.eval()
+        final_model = self.ema.module if self.ema is not None else self.student
+        if self.completed:
+            self.metrics["status"] = "completed"
+            evaluations = self.metrics["evaluations"]
+            self.metrics["final"] = dict(evaluations[-1]) if evaluations else {}
+            if self.ema is not None:
+                self.metrics["final"] = {**self.evaluate(self.ema.module), "weights": "ema"}
+        else:
+            self.metrics["status"] = "interrupted"
+        self.write_metrics()
+        return RunResult(final_model, self.metrics, self.completed)

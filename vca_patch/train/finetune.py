@@ -1,8 +1,11 @@
-"""`finetune`: run a recipe on a converted checkpoint and publish the recovered checkpoint."""
+"""`finetune`: run a recipe on a converted checkpoint and publish the recovered checkpoint.
+
+One entry for every task: the recipe's task (`train.tasks`: classification, diffusion) loads the model and its
+data, measures it, and writes the model card's metrics; the engine (`train.engine.run_recipe`) trains.
+"""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -13,16 +16,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from vca_patch.checkpoint import from_pretrained, save_pretrained
+from vca_patch.checkpoint import save_pretrained
 from vca_patch.checkpoint.folder import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, read_checkpoint_config
 from vca_patch.checkpoint.model_card import recipe_metadata
 from vca_patch.core.atomic import atomic_write_text
-from vca_patch.core.model_io import model_input_size
-from vca_patch.data import DatasetError, build_dataset
-from vca_patch.surgery import unpatch_model
 from vca_patch.train.checkpoints import latest_checkpoint, trainer_state
-from vca_patch.train.engine import RunResult, make_accelerator, run_recipe
+from vca_patch.train.engine import RunOptions, RunResult, make_accelerator, run_recipe
 from vca_patch.train.recipe import Recipe, load_recipe
+from vca_patch.train.tasks import Task, task_for, teacher_from
+from vca_patch.train.tasks.classification import card_metrics, check_data_fits, dataset_name
+
+__all__ = [  # card_metrics, check_data_fits, dataset_name, teacher_from: re-exported from train.tasks
+    "TrainingInterrupted", "card_metrics", "check_data_fits", "dataset_name", "finetune", "mark_interrupted",
+    "publish", "publish_result", "resume_point", "teacher_from",
+]  # fmt: skip
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -54,32 +61,10 @@ def mark_interrupted(output: Path, *, write: bool = True) -> str:
     )
 
 
-def check_data_fits(dataset: Any, input_size: tuple[int, int, int], recipe: Recipe) -> None:
-    """Stop before training (DatasetError) when the recipe's images do not fit the model's input."""
-    if len(dataset) == 0:
-        raise DatasetError(f"recipe {recipe.name!r}: the training set ({recipe.data.kind}) is empty")
-    image = dataset[0][0]
-    shape = tuple(image.shape) if isinstance(image, torch.Tensor) else None
-    if shape is not None and (len(shape) != 3 or shape != tuple(input_size)):
-        raise DatasetError(
-            f"recipe {recipe.name!r} gives {recipe.data.kind} images of shape {shape}, but the model takes "
-            f"{tuple(input_size)} (channels, height, width); use a recipe whose data fit the model (e.g. an "
-            "imagefolder of RGB images for a 3-channel model), or convert a model built for these images"
-        )
-
-
-def teacher_from(model: nn.Module) -> nn.Module:
-    """A frozen copy of the original model: the patched model with its original attention put back."""
-    teacher = unpatch_model(copy.deepcopy(model)).eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    return teacher
-
-
 def publish(model: nn.Module, output: Path, *, model_args: dict | None, metadata: dict[str, Any]) -> None:
     """Write model.safetensors, config.json and README.md into `output` (each file replaced atomically),
     leaving metrics.json and checkpoints/ beside them."""
-    output.mkdir(parents=True, exist_ok=True)
+    output.mkdir(exist_ok=True)  # its parent must exist: missing parents are never made
     stage = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}-publish-"))
     try:
         save_pretrained(model, stage / "ckpt", model_args=model_args, metadata=metadata)
@@ -87,32 +72,6 @@ def publish(model: nn.Module, output: Path, *, model_args: dict | None, metadata
             os.replace(stage / "ckpt" / name, output / name)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-
-
-def dataset_name(recipe: Recipe) -> str:
-    """A short id of the recipe's dataset (the Hub id for "hf", the folder for ImageFolder)."""
-    d = recipe.data
-    if d.kind == "fashion_mnist":
-        return "fashion_mnist"
-    return str(d.path)
-
-
-def card_metrics(metrics: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
-    """The model-card metrics block (numbers only) from a run's metrics.json content."""
-    final, before = metrics.get("final", {}), metrics.get("before", {})
-    out: dict[str, Any] = {"dataset": dataset_name(recipe), "split": recipe.data.eval_split}
-    pairs = {
-        "teacher_top1": final.get("top1_original"),
-        "before_top1": before.get("top1_patched"),
-        "after_top1": final.get("top1_patched"),
-        "agreement_before": before.get("top1_agreement"),
-        "agreement_after": final.get("top1_agreement"),
-        "cls_cosine_before": before.get("cls_cosine"),
-        "cls_cosine_after": final.get("cls_cosine"),
-        "mean_layer_error_after": final.get("mean_layer_error"),
-    }
-    out.update({k: float(v) for k, v in pairs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
-    return out
 
 
 def finetune(
@@ -136,47 +95,33 @@ def finetune(
     accelerator = accelerator or make_accelerator(
         mixed_precision or recipe.train.mixed_precision, device=device, grad_accum=recipe.train.grad_accum
     )
-    if recipe.diffusion is not None:  # latents and diffusion losses instead of images (train.diffusion_finetune)
-        from vca_patch.train.diffusion_finetune import finetune_diffusion
-
-        return finetune_diffusion(
-            converted, recipe, output, resume=resume, stop_after_steps=stop_after_steps, accelerator=accelerator
-        )
-    meta = read_checkpoint_config(converted)
-    student = from_pretrained(converted)
-    teacher = teacher_from(student)
-    _, height, _ = model_input_size(student)
-    model_cfg = dict(getattr(student, "pretrained_cfg", None) or {})
-    model_cfg["input_size"] = model_input_size(student)
-    train_set = build_dataset(recipe.data, "train", training=True, img_size=height, model_cfg=model_cfg)
-    eval_set = build_dataset(recipe.data, "eval", training=False, img_size=height, model_cfg=model_cfg)
-    check_data_fits(train_set, model_input_size(student), recipe)
+    task = task_for(recipe)  # classification (images) or diffusion (latents, diffusion losses): train.tasks
+    data = task.load(converted, recipe)
+    options = RunOptions(
+        train_set=data.train_set,
+        eval_set=data.eval_set,
+        resume=resume,
+        accelerator=accelerator,
+        num_classes=data.num_classes,
+        stop_after_steps=stop_after_steps,
+        extra_metrics={"converted_from": str(converted)},
+    )
     try:
-        result = run_recipe(
-            student,
-            teacher,
-            recipe,
-            output,
-            train_set=train_set,
-            eval_set=eval_set,
-            resume=resume,
-            accelerator=accelerator,
-            num_classes=int(getattr(student, "num_classes", 0) or 0),
-            stop_after_steps=stop_after_steps,
-            extra_metrics={"converted_from": str(converted)},
-        )
+        result = run_recipe(data.student, data.teacher, recipe, output, options)
     except KeyboardInterrupt:
         raise TrainingInterrupted(mark_interrupted(output, write=accelerator.is_main_process)) from None
     if result.completed and accelerator.is_main_process:
-        metadata = dict(meta.get("metadata") or {})
-        metadata.update(
-            recipe_metadata(
-                {"name": recipe.name, "budget": recipe.budget, **recipe.to_dict()},
-                card_metrics(result.metrics, recipe),
-                [dataset_name(recipe)],
-            )
-        )
-        publish(result.model.to("cpu"), output, model_args=meta["base"].get("model_args"), metadata=metadata)
+        publish_result(task, result, recipe, converted, output)
     accelerator.wait_for_everyone()
     torch.set_grad_enabled(True)
     return result
+
+
+def publish_result(task: Task, result: RunResult, recipe: Recipe, converted: Path, output: Path) -> None:
+    """Publish a completed run's weights into `output` with the converted checkpoint's metadata, the recipe and
+    the task's card metrics."""
+    meta = read_checkpoint_config(converted)
+    metadata = dict(meta.get("metadata") or {})
+    card, datasets = task.card(result.metrics, recipe)
+    metadata.update(recipe_metadata({"name": recipe.name, "budget": recipe.budget, **recipe.to_dict()}, card, datasets))
+    publish(result.model.to("cpu"), output, model_args=meta["base"].get("model_args"), metadata=metadata)

@@ -218,13 +218,11 @@ STAGE_LOSSES: dict[str, StageLoss] = {
 
 
 def register_stage_loss(kind: str) -> Callable[[StageLoss], StageLoss]:
-    """Decorator: `fn(objective, x, y) -> loss` computes the loss of stages of `kind` (see `train.diffusion`)."""
+    """Decorator: `fn(objective, x, y) -> loss` computes the loss of stages of `kind` (a task registers its own
+    losses this way: see `train.tasks`)."""
 
     def wrap(fn: StageLoss) -> StageLoss:
         STAGE_LOSSES[kind] = fn
         return fn
 
     return wrap
-
-
-from vca_patch.train import diffusion as _diffusion  # noqa: E402, F401  (registers "distill_diffusion")

@@ -1,30 +1,28 @@
-"""Parameter groups of a patched model and the λ guard that keeps λ in [0, λ_max]."""
+"""Parameter groups of a patched model, and its target's parameter guard and trace (the target's hooks:
+`TargetConfig.parameter_groups` / `guard_parameters` / `parameter_trace`; VCA's λ in targets/vca/training.py)."""
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
-import torch
 from torch import nn
 
 from vca_patch.families.diffusers.processor import NEW_PARAMETERS
 from vca_patch.layers.carried_module import CarriesOriginal
 from vca_patch.surgery import get_patch_state
-from vca_patch.targets.vca.differential_lambda import DifferentialLambda
-from vca_patch.targets.vca.layer import VisualContrastAttention
 
-GROUPS = ("new", "lambda", "carried", "rest")
-LAMBDA_ROUNDOFF = 1e-5  # float32 round-off of λ after a clamp: the guard leaves λ within this of its bounds
+GROUPS = ("new", "lambda", "carried", "rest")  # "lambda": the target's own group (a stage's lambda_lr), if any
 
 
 def parameter_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """{"new": parameters the target added (VCA, MANO, DIDB, ...), "lambda": VCA's λ vectors, "carried": the
-    original modules' own parameters (attention q/k/v/proj and their norms; the weights a block edit carries, e.g.
-    DIDB's binarised fc1/fc2), "rest": everything else}, each a list of (name, parameter). Carried parameters are
-    recognised by identity with the replaced modules' parameters, or, in a block edit that carries its original
-    (`CarriesOriginal`), by its `carried_names`."""
+    """{"new": parameters the target added (VCA, MANO, DIDB, ...), "lambda": those the target's `parameter_groups`
+    hook puts there (VCA's λ vectors), "carried": the original modules' own parameters (attention q/k/v/proj and
+    their norms; the weights a block edit carries, e.g. DIDB's binarised fc1/fc2), "rest": everything else}, each a
+    list of (name, parameter). Carried parameters are recognised by identity with the replaced modules' parameters,
+    or, in a block edit that carries its original (`CarriesOriginal`), by its `carried_names`."""
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {g: [] for g in GROUPS}
     state = get_patch_state(model)
+    own_group = _target_groups(model, state)
     sites = [path + "." for path in state.originals] if state is not None else []
     edits = {path + ".": model.get_submodule(path) for path in state.block_originals} if state is not None else {}
     replaced = [*state.originals.values(), *state.block_originals.values()] if state is not None else []
@@ -46,56 +44,35 @@ def parameter_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter
             module = edits[edit]
             own = isinstance(module, CarriesOriginal) and name[len(edit) :] in module.carried_names
             groups["carried" if own else "new"].append((name, p))
-        elif name[len(prefix) :].removeprefix(NEW_PARAMETERS + ".").startswith(("lambda1.", "lambda2.")):
-            groups["lambda"].append((name, p))
         else:
-            groups["new"].append((name, p))
+            groups[own_group.get(id(p), "new")].append((name, p))
     return groups
 
 
-@torch.no_grad()
-def clamp_lambda(lam: DifferentialLambda, low: float = 0.0, high: float = 0.95, value: float | None = None) -> bool:
-    """Project λ = exp⟨q1,k1⟩ − exp⟨q2,k2⟩ + λ_init back into [low, high] by moving q2 along k2.
-
-    Returns True when it had to move. The vectors stay non-zero, so λ keeps its gradient. `value`: λ if
-    already read.
-    """
-    value = float(lam()) if value is None else value
-    if low - LAMBDA_ROUNDOFF <= value <= high + LAMBDA_ROUNDOFF:  # a previous clamp's round-off is no violation
-        return False
-    goal = min(max(value, low), high)
-    q1, k1, q2, k2 = (p.double() for p in (lam.q1, lam.k1, lam.q2, lam.k2))
-    rest = math.exp(float(q1 @ k1)) + lam.lambda_init - goal  # = exp⟨q2, k2⟩ at the goal, > 0 here
-    target = math.log(rest)
-    norm2 = float(k2 @ k2)
-    if norm2 < 1e-20:
-        return False
-    q2 = q2 + (target - float(q2 @ k2)) * k2 / norm2
-    lam.q2.copy_(q2.to(lam.q2.dtype))
-    return True
-
-
-@torch.no_grad()
-def guard_lambdas(model: nn.Module, high: float) -> int:
-    """Clamp every VCA layer's λ₁, λ₂ into [0, high]; returns how many were moved. Reads all λ in one transfer."""
-    lams = [lam for m in vca_layers(model) for lam in (m.lambda1, m.lambda2)]
-    if not lams:
-        return 0
-    values = torch.stack([lam().reshape(()).double() for lam in lams]).tolist()
-    return sum(clamp_lambda(lam, 0.0, high, value) for lam, value in zip(lams, values, strict=True))
-
-
-def lambda_trace(model: nn.Module) -> list[list[float]]:
-    """[[λ₁, λ₂] per VCA layer] for health logs."""
-    return [list(m.lambdas()) for m in vca_layers(model)]
-
-
-def vca_layers(model: nn.Module) -> list[VisualContrastAttention]:
-    """The VCA layers of `model`: its modules, and the layers diffusers attention processors hold (outside the
-    module tree, bound to the attention module's parameters at each call)."""
-    found = []
-    for m in model.modules():
-        layer = m if isinstance(m, VisualContrastAttention) else getattr(getattr(m, "processor", None), "layer", None)
-        if isinstance(layer, VisualContrastAttention):
-            found.append(layer)
+def _target_groups(model: nn.Module, state: Any) -> dict[int, str]:
+    """{id(parameter): group} from the target's `parameter_groups` hook; only groups a recipe stage can set."""
+    if state is None:
+        return {}
+    found: dict[int, str] = {}
+    for group, params in state.config.parameter_groups(model).items():
+        if group not in GROUPS or group in ("carried", "rest"):
+            raise ValueError(f"target {state.config.target!r}: parameter group {group!r} is not one of new, lambda")
+        found.update({id(p): group for p in params})
     return found
+
+
+def _target_config(model: nn.Module) -> Any:
+    state = get_patch_state(model)
+    return state.config if state is not None else None
+
+
+def guard_parameters(model: nn.Module, high: float) -> int:
+    """The patched model's target guard (`TargetConfig.guard_parameters`; VCA: λ into [0, high]); how many moved."""
+    config = _target_config(model)
+    return config.guard_parameters(model, high) if config is not None else 0
+
+
+def parameter_trace(model: nn.Module) -> dict[str, Any]:
+    """The target's parameter health values for an evaluation record (`TargetConfig.parameter_trace`)."""
+    config = _target_config(model)
+    return config.parameter_trace(model) if config is not None else {}

@@ -46,7 +46,11 @@ class DataSpec:
 
 @dataclass
 class TrainSpec:
-    """Loop settings shared by every stage."""
+    """Loop settings shared by every stage.
+
+    lambda_guard / lambda_max: the target's parameter guard after each update ("clamp": on, with bound lambda_max;
+    `TargetConfig.guard_parameters`; VCA keeps every λ in [0, lambda_max]; other targets have nothing to guard).
+    """
 
     batch_size: int = 64
     grad_accum: int = 1
@@ -72,7 +76,8 @@ class StageSpec:
     "distill" (end to end from the original model: KL on logits, or feature cosine without a
     head; plus cross-entropy on labels when label_weight > 0) or "distill_diffusion" (a diffusion transformer:
     attention-output, teacher-prediction and own-objective losses per the recipe's `diffusion` section).
-    lr: the new VCA parameters; lambda_lr: the λ vectors; carried_lr: q/k/v/proj (0 = frozen);
+    lr: the target's new parameters; lambda_lr: the target's own "lambda" group (`TargetConfig.parameter_groups`;
+    VCA's λ vectors); carried_lr: q/k/v/proj (0 = frozen);
     rest_lr: everything outside attention (distill only; 0 = frozen).
     feature_space: what a head-less "distill" stage's feature cosine compares: "raw" final tokens, or
     "standardized": each channel centred and scaled by the teacher's running mean and std (token 0 and the

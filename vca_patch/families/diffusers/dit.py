@@ -47,6 +47,7 @@ from vca_patch.families.diffusers.flux import (
     single_verification_error,
 )
 from vca_patch.families.diffusers.joint import carry_joint, joint_structure_problem, joint_verification_error
+from vca_patch.families.diffusers.library import DIFFUSERS
 from vca_patch.families.diffusers.processor import (
     NEW_PARAMETERS,
     CarriedLayerProcessor,
@@ -168,6 +169,7 @@ class DiffusersDiTAdapter(ModelAdapter):
     """Converts the image self-attention of diffusers diffusion transformers by swapping attention processors."""
 
     name = "diffusers-dit"
+    library = DIFFUSERS
 
     @classmethod
     def applies_to(cls, model: nn.Module) -> bool:
@@ -343,7 +345,7 @@ def carry_single(attn: nn.Module) -> CarriedSingleStreamAttention:
 
 def check_diffusers_base(base: dict[str, Any], where: str) -> None:
     """Refuse a diffusers base description that names anything but a supported model class and plain options
-    (for io.config_guard's per-library base checks)."""
+    (the diffusers library's `check_base`, families/diffusers/library.py)."""
 
     architecture = base.get("architecture")
     if architecture not in ARCHITECTURES:

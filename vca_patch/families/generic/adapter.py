@@ -141,7 +141,7 @@ class GenericAdapter(ModelAdapter):
         return _patch_conv(model)
 
     def layout_from_embedding(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> TokenLayout:
-        return TokenLayout(self.num_prefix_tokens, (int(output.shape[-2]), int(output.shape[-1])))
+        return TokenLayout(self.num_prefix_tokens, (output.shape[-2], output.shape[-1]))
 
     def default_layout(self, model: nn.Module) -> TokenLayout | None:
         return TokenLayout(self.num_prefix_tokens, self._probe_grid)

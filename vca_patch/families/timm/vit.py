@@ -20,10 +20,11 @@ from torch import nn
 from vca_patch.families.base import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite, attention_dropout_note
 from vca_patch.families.call_shims import TokensOnly
 from vca_patch.families.timm.base import create_timm_base, describe_timm_base
+from vca_patch.families.timm.library import TIMM
 from vca_patch.families.verify import eval_mode, float32_copy, record_verdict, relative_error
 from vca_patch.layers.carried import CarriedAttention
 from vca_patch.layers.fused_qkv import FusedQKVView, QKVWithSeparateBias, SplitQKV
-from vca_patch.layers.layout import TokenLayout
+from vca_patch.layers.layout import TokenLayout, as_size
 
 _BLOCK_INDEX = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
 # Constructor arguments recorded so the same base model can be rebuilt.
@@ -146,6 +147,7 @@ class TimmViTAdapter(ModelAdapter):
     """Converts the token self-attention of timm ViT-style models; other attention is listed as skipped."""
 
     name = "timm-vit"
+    library = TIMM
 
     def __init__(self) -> None:
         self._families: dict[str, _Family] = {}  # qualified class name -> family, the structural ones included
@@ -204,7 +206,7 @@ class TimmViTAdapter(ModelAdapter):
 
     def layout_from_embedding(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> TokenLayout:
         if output.ndim == 4:  # NHWC (dynamic_img_size)
-            grid = (int(output.shape[1]), int(output.shape[2]))
+            grid = (output.shape[1], output.shape[2])
         else:
             image_hw = tuple((args[0] if args else kwargs["x"]).shape[-2:])
             grid = module.dynamic_feat_size(image_hw) if hasattr(module, "dynamic_feat_size") else module.grid_size
@@ -212,7 +214,7 @@ class TimmViTAdapter(ModelAdapter):
                 raise RuntimeError(
                     f"patch embedding gave {output.shape[1]} tokens, expected a {grid[0]}x{grid[1]} grid"
                 )
-        return TokenLayout(self.num_prefix_tokens, (int(grid[0]), int(grid[1])))
+        return TokenLayout(self.num_prefix_tokens, (as_size(grid[0]), as_size(grid[1])))
 
     def carry(self, site: AttentionSite) -> CarriedAttention:
         attn = site.module

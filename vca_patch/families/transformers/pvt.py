@@ -28,7 +28,7 @@ from vca_patch.families.timm.pvt import (
 from vca_patch.families.transformers.staged import HFStagedAdapter
 from vca_patch.families.verify import on_meta, record_verdict
 from vca_patch.layers.fused_qkv import SplitQKV
-from vca_patch.layers.layout import TokenLayout
+from vca_patch.layers.layout import TokenLayout, as_size
 from vca_patch.layers.staged_carry import CarriedReductionAttention
 
 _V2_MODULE = "transformers.models.pvt_v2.modeling_pvt_v2"
@@ -119,7 +119,7 @@ class HFPvtAdapter(HFStagedAdapter):
 
     def layout_from_embedding(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> TokenLayout:
         _, height, width = output  # (tokens, height, width): stage 1's grid
-        return TokenLayout(0, (int(height), int(width)))
+        return TokenLayout(0, (as_size(height), as_size(width)))
 
     def default_layout(self, model: nn.Module) -> TokenLayout | None:
         return TokenLayout(0, self.stage_grids(model)[0])

@@ -7,11 +7,14 @@ from typing import Any
 from torch import nn
 
 from vca_patch.families.staged import StagedAdapter
+from vca_patch.families.transformers.library import TRANSFORMERS
 from vca_patch.families.transformers.vision import HFVisionAdapter
 
 
 class HFStagedAdapter(StagedAdapter):
     """A transformers model in stages: its base described and rebuilt as `HFVisionAdapter` does."""
+
+    library = TRANSFORMERS
 
     def describe_base(self, model: nn.Module) -> dict[str, Any]:
         return HFVisionAdapter.describe_base(self, model)

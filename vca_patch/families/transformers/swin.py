@@ -34,7 +34,7 @@ from vca_patch.families.transformers.staged import HFStagedAdapter
 from vca_patch.families.verify import on_meta, record_verdict
 from vca_patch.layers.cosine_window_carry import CarriedCosineWindowAttention
 from vca_patch.layers.fused_qkv import SplitQKV
-from vca_patch.layers.layout import TokenLayout
+from vca_patch.layers.layout import TokenLayout, as_size
 from vca_patch.layers.staged_carry import CarriedWindowAttention
 from vca_patch.layers.window_call import WindowCall, WindowCallEnd, WindowCallOwner, close_window_call, open_window_call
 from vca_patch.layers.window_terms import PassThroughProjection
@@ -184,7 +184,7 @@ class HFSwinAdapter(HFStagedAdapter):
 
     def layout_from_embedding(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> TokenLayout:
         _, dims = output  # (tokens, (height, width)): stage 1's grid
-        return TokenLayout(0, (int(dims[0]), int(dims[1])))
+        return TokenLayout(0, (as_size(dims[0]), as_size(dims[1])))
 
     def default_layout(self, model: nn.Module) -> TokenLayout | None:
         size, patch = model.config.image_size, model.config.patch_size

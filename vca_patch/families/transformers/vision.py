@@ -19,10 +19,11 @@ from torch import nn
 from vca_patch.families.base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
 from vca_patch.families.call_shims import TokensOnly, TupleOutput
 from vca_patch.families.timm.vit import reference_biased_attention
+from vca_patch.families.transformers.library import TRANSFORMERS
 from vca_patch.families.verify import TOLERANCE, eval_mode, float32_copy, reference_softmax_attention, relative_error
 from vca_patch.layers.carried import CarriedAttention
 from vca_patch.layers.fused_qkv import SplitQKV
-from vca_patch.layers.layout import TokenLayout
+from vca_patch.layers.layout import TokenLayout, as_size
 from vca_patch.layers.window_terms import PassThroughProjection
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
@@ -138,6 +139,7 @@ class HFVisionAdapter(ModelAdapter):
     """Converts the vision self-attention of Hugging Face transformers encoders; text towers are never touched."""
 
     name = "hf-vision"
+    library = TRANSFORMERS
 
     @classmethod
     def applies_to(cls, model: nn.Module) -> bool:
@@ -198,7 +200,7 @@ class HFVisionAdapter(ModelAdapter):
         pixels = args[0] if args else kwargs["pixel_values"]
         tokens = output[0] if isinstance(output, tuple) else output  # BEiT also returns the patch grid
         grid = _grid(_patch_conv(module), *pixels.shape[-2:])
-        return TokenLayout(int(tokens.shape[1]) - grid[0] * grid[1], grid)
+        return TokenLayout(as_size(tokens.shape[1]) - grid[0] * grid[1], grid)
 
     @torch.no_grad()
     def default_layout(self, model: nn.Module) -> TokenLayout | None:

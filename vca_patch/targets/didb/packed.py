@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vca_patch.core.errors import PatchError
+from vca_patch.core.errors import ConfigError, PatchError
 from vca_patch.core.patch_state import get_patch_state
 from vca_patch.layers.carried_module import CarriesOriginal
 from vca_patch.layers.fused_qkv import FusedQKVView
@@ -32,7 +32,7 @@ from vca_patch.targets.didb.binary import BinaryLinear, BinaryWeight
 PACKED_KEYS = ("weight_signs", "weight_scale", "weight_nonzero")
 
 
-class PackedFormatError(ValueError):
+class PackedFormatError(ConfigError):
     """Packed tensors that do not describe a binarised Linear of the model."""
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vca_patch.core.errors import PatchError
 from vca_patch.targets.llava_sp.config import SpatialTokensConfig
 from vca_patch.targets.llava_sp.layer import CroppingSpatialTokens, PoolingSpatialTokens
 from vca_patch.targets.llava_sp.projector import SpatialTokenProjector
@@ -15,7 +16,7 @@ from vca_patch.targets.llava_sp.projector import SpatialTokenProjector
 ANYRES_TYPES = ("llava_next", "llava_next_video", "llava_onevision")
 
 
-class SpatialTokensError(ValueError):
+class SpatialTokensError(PatchError):
     """The model cannot take (or does not have) spatial tokens; the message says why."""
 
 

@@ -226,3 +226,23 @@ class MergeConfig(TargetConfig):
         if isinstance(layer, MultipoleAttention):
             return {"attention": "mano", **self._mano_config(layer.window).layer_settings(layer)}
         return {"attention": "vca", "contrast_tokens": layer.num_contrast_tokens}
+
+    # ---- Calibration hooks: the VCA blocks calibrate as VCA's (TargetConfig.calibrates / calibrate_layer) ----
+    def calibrates(self, layer: nn.Module) -> bool:
+        return self._vca_config().calibrates(layer)
+
+    def calibrate_layer(self, layer: nn.Module, capture: Any, teacher: Any, measure: Any, **options: Any) -> dict:
+        return self._vca_config().calibrate_layer(layer, capture, teacher, measure, **options)
+
+    # ---- Recovery-training hooks: the VCA blocks' λ group, guard and trace are VCA's ----
+    def parameter_groups(self, model: nn.Module) -> dict[str, list[nn.Parameter]]:
+        return self._vca_config().parameter_groups(model) if self.vca_layers else {}
+
+    def guard_parameters(self, model: nn.Module, high: float) -> int:
+        return self._vca_config().guard_parameters(model, high) if self.vca_layers else 0
+
+    def parameter_trace(self, model: nn.Module) -> dict[str, Any]:
+        return self._vca_config().parameter_trace(model) if self.vca_layers else {}
+
+    def grown_tokens(self, tokens: int, num_patches: int) -> int:
+        return self._vca_config().grown_tokens(tokens, num_patches)  # with_more_tokens then refuses (ConfigError)

@@ -14,8 +14,10 @@ from vca_patch.layers.carried import CarriedAttention
 from vca_patch.layers.joint_carry import CarriedJointAttention, CarriedSingleStreamAttention
 from vca_patch.layers.staged_carry import StagedCarriedAttention, default_stage_contrast_tokens
 from vca_patch.targets.base import TargetConfig, is_int
-from vca_patch.targets.vca import card
+from vca_patch.targets.vca import calibrate as calibration
+from vca_patch.targets.vca import card, fused_cpu, training
 from vca_patch.targets.vca.builders import build_vca
+from vca_patch.targets.vca.calibrate import VCACalibration
 from vca_patch.targets.vca.layer import VisualContrastAttention
 from vca_patch.targets.vca.neighbourhood import is_local_window
 
@@ -246,3 +248,32 @@ class VCAConfig(TargetConfig):
     @classmethod
     def card_section(cls, config: dict[str, Any]) -> tuple[str, str, str]:
         return card.card_section(config)
+
+    # ---- Calibration and compute-kernel hooks (TargetConfig's; the fits live in targets/vca/calibrate.py) ----
+    def calibrates(self, layer: nn.Module) -> bool:
+        return calibration.calibrates(layer)
+
+    def calibrate_layer(self, layer: nn.Module, capture: Any, teacher: Any, measure: Any, **options: Any) -> dict:
+        return calibration.calibrate_layer(layer, capture, teacher, measure, VCACalibration.from_options(options))
+
+    def grown_tokens(self, tokens: int, num_patches: int) -> int:
+        return calibration.grown_tokens(tokens, num_patches)
+
+    def with_more_tokens(self, grow: dict[int, int]) -> VCAConfig:
+        """More contrast tokens in the blocks of `grow` (over `layer_contrast_tokens`)."""
+        overrides = {**(self.layer_contrast_tokens or {}), **grow}
+        return dataclasses.replace(self, layer_contrast_tokens=overrides)
+
+    @classmethod
+    def cpu_kernel(cls) -> fused_cpu.CpuKernel:
+        return fused_cpu.CPU_KERNEL
+
+    # ---- Recovery-training hooks (TargetConfig's; the λ group and guard live in targets/vca/training.py) ----
+    def parameter_groups(self, model: nn.Module) -> dict[str, list[nn.Parameter]]:
+        return {"lambda": training.lambda_parameters(model)}
+
+    def guard_parameters(self, model: nn.Module, high: float) -> int:
+        return training.guard_lambdas(model, high)
+
+    def parameter_trace(self, model: nn.Module) -> dict[str, Any]:
+        return {"lambda": training.lambda_trace(model)}

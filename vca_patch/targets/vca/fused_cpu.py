@@ -96,6 +96,27 @@ def use_kernel(enabled: bool) -> AbstractContextManager[None]:
     return _EXTENSION.use(enabled)
 
 
+class CpuKernel:
+    """The kernel as `VCAConfig.cpu_kernel()` hands it to shared code (bench, CLI): the functions above."""
+
+    name = "vca"
+
+    def available(self) -> bool:
+        return kernel_available()
+
+    def status(self) -> str:
+        return kernel_status()
+
+    def use(self, enabled: bool) -> AbstractContextManager[None]:
+        return use_kernel(enabled)
+
+    def disabled(self) -> AbstractContextManager[None]:
+        return use_kernel(False)
+
+
+CPU_KERNEL = CpuKernel()
+
+
 def _empty_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """An empty batch of well-formed heads: answered here, without the op. Anything else goes to the op, whose
     C++ entry validates every shape, dtype and stride (and also returns an empty batch)."""

@@ -281,7 +281,9 @@ class VisualContrastAttention(CarriedAttentionLayer):
     def forward_tokens(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """x: [B, N, dim] with N = prefix + H·W tokens -> [B, N, dim_out]: the fused CPU kernel for float32
         inference, else the composite path (recomputed in backward when training, see `recompute_in_backward`)."""
-        if self._fused_kernel_usable(x):
+        # Traced (torch.compile / export): the composite path, which the compiler fuses; the kernel's sizes are
+        # plain ints, which would specialise the graph to one grid.
+        if not torch.compiler.is_compiling() and self._fused_kernel_usable(x):
             if torch.is_autocast_enabled("cpu"):  # the kernel is float32: it runs so, like an autocast fp32 op
                 with torch.autocast("cpu", enabled=False):
                     return self.attend_fused(x.float(), layout)

@@ -1,0 +1,36 @@
+"""transformers' library hooks (families/library.py): its guard checks and loading by folder or Hub id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from vca_patch.families.library import ModelLibrary
+from vca_patch.families.transformers.guard import check_transformers_base
+
+
+class TransformersLibrary(ModelLibrary):
+    name = "transformers"
+    load_priority = 20  # after diffusers (whose folders and repos also hold a config.json / have a slash)
+
+    def check_base(self, base: dict[str, Any], where: str) -> None:
+        check_transformers_base(base, where)
+
+    def claims(self, name: str) -> bool:
+        from vca_patch.families.transformers.load import names_transformers_model
+
+        return names_transformers_model(name)
+
+    def load(
+        self, name: str, *, pretrained: bool = True, weights: Path | None = None, model_args: dict[str, Any] | None
+    ) -> nn.Module:
+        from vca_patch.families.transformers.load import load_transformers_model
+
+        if model_args:
+            raise ValueError(f"model_args are timm constructor options; {name} is a transformers model")
+        return load_transformers_model(name, pretrained=pretrained, weights=weights)
+
+
+TRANSFORMERS = TransformersLibrary()
