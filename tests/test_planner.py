@@ -137,7 +137,9 @@ def test_plan_model_end_to_end_and_the_plan_file(tmp_path):
     assert model_info(model).depth == 4 and not hasattr(model, "vca_patch_state")  # left as it came
     path = save_plan(tmp_path / "plan.json", result.config, result.details("tiny"))
     data = json.loads(path.read_text())
-    assert data["model"] == {"name": "tiny", "depth": 4, "dim": 64, "num_heads": 4, "resolution": RES}
+    tokens = result.info.tokens(RES)  # the resolution and token counts the plan was made for
+    assert data["model"] == {"name": "tiny", "depth": 4, "dim": 64, "num_heads": 4, "resolution": RES,
+                             "tokens": tokens, "patch_tokens": tokens - result.info.num_prefix_tokens}  # fmt: skip
     assert result.finalist["latency_ratio"] > 0 and "cls_per_image" in result.finalist  # timed and scored
     assert data["finalist"]["cls_cosine"] == result.finalist["cls_cosine"] and "cls_per_image" not in data["finalist"]
     config = load_plan(path)
@@ -235,6 +237,9 @@ def test_cli_plan_then_convert_with_the_plan(tmp_path):
     assert "Predicted and measured" in result.output and out.with_suffix(".png").stat().st_size > 1000
     assert "as a finalist" in result.output  # the timing that chose the plan
     assert load_plan(out).expect == {"depth": 12, "dim": 192, "num_heads": 3}
+    assert "--img-size 64" in " ".join(result.output.split())  # the next command, at the plan's resolution
+    recorded = json.loads(out.read_text())["model"]
+    assert (recorded["resolution"], recorded["tokens"], recorded["patch_tokens"]) == (64, 17, 16)
     bad = runner.invoke(app, [*args, "--force", "--unmerge", "average"])
     assert bad.exit_code == 2 and "--unmerge must be one of auto, copy, residual" in bad.output
     again = runner.invoke(app, args)
@@ -249,6 +254,9 @@ def test_cli_plan_then_convert_with_the_plan(tmp_path):
     assert converted.exit_code == 0, converted.output
     config = json.loads((tmp_path / "converted" / "config.json").read_text())
     assert "merge" in json.dumps(config)
+    other = runner.invoke(app, ["convert", "vit_tiny_patch16_224", "--no-pretrained", "--plan", str(out), "-o",
+                                str(tmp_path / "at224")])  # fmt: skip
+    assert other.exit_code == 2 and "was made for 64 px, but the model takes 224×224 px" in other.output
     wrong = convert_with_the_plan("vit_small_patch16_224", tmp_path / "w")
     assert wrong.exit_code != 0 and "made for a model with" in wrong.output
     assert not (tmp_path / "w").exists()

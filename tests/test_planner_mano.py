@@ -122,7 +122,7 @@ def test_a_plan_with_mano_layers_saves_reloads_applies_and_unpatches_on_dinov2(t
 
 
 def test_convert_applies_a_plan_file_with_mano_layers(tmp_path):
-    plan = MergeConfig(schedule=[0, 0] + [2] * 10, mano_layers={0: 2, 1: 3}, expect={"depth": 12, "dim": 192,
+    plan = MergeConfig(schedule=[0, 0] + [1] * 10, mano_layers={0: 2, 1: 3}, expect={"depth": 12, "dim": 192,
                        "num_heads": 3})  # fmt: skip
     path = save_plan(tmp_path / "plan.json", plan, {})
     args = ["convert", "vit_tiny_patch16_224", "--no-pretrained", "--img-size", "64", "--plan", str(path)]

@@ -78,6 +78,40 @@ def files(tmp_path_factory) -> dict[str, Path]:
     Image.new("RGB", (8, 8), (200, 10, 10)).save(images / "a.png")
     out["images"] = root / "images"
     out["image"] = images / "a.png"
+    out.update(_size_inputs(root, good))
+    return out
+
+
+def _size_inputs(root: Path, good: Path) -> dict[str, Path]:
+    """Checkpoints whose config.json asks for absurd sizes, plan files that do not fit deit_tiny at 224 px, and a
+    recipe with a negative worker count."""
+    import yaml
+
+    from vca_patch.targets.merge import MergeConfig
+
+    out = {}
+    for name, key, value in (("big_img", "img_size", [60000, 60000]), ("deep", "depth", 100000)):
+        folder = root / name
+        folder.mkdir()
+        for f in good.iterdir():
+            (folder / f.name).write_bytes(f.read_bytes())
+        meta = json.loads((folder / "config.json").read_text())
+        meta["model_args"][key] = meta["base"]["model_args"][key] = value
+        (folder / "config.json").write_text(json.dumps(meta))
+        out[name] = folder
+    made_448 = {"depth": 12, "dim": 192, "num_heads": 3, "resolution": 448}
+    for name, config, model in (
+        ("plan_448", MergeConfig(schedule=[8] * 4), made_448),
+        ("plan_n", MergeConfig(schedule=[0, 8], vca_layers={0: 1000000}), None),
+        ("plan_many", MergeConfig(schedule=[100] * 12), None),
+    ):
+        body = {"format": "vca-patch-plan", "version": 1, "config": config.to_dict()}
+        (root / f"{name}.json").write_text(json.dumps(body | ({"model": model} if model else {})))
+        out[name] = root / f"{name}.json"
+    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe["data"]["num_workers"] = -1
+    (root / "workers.yaml").write_text(yaml.safe_dump(recipe))
+    out["recipe_workers"] = root / "workers.yaml"
     return out
 
 
@@ -166,6 +200,34 @@ CASES = [  # (id, args with {name} placeholders, input names, exit code, substri
      "{root}"], ["root"], 2, ["--json", "is a folder"]),
     ("finetune-resume-nothing", ["finetune", "{ckpt}", "--recipe", str(RECIPE), "-o", "{out}", "--resume"], ["ckpt"],
      2, ["--resume:", "holds no training checkpoint"]),
+    # sizes, from the shapes alone and before any work (no allocation traceback, no OOM kill)
+    ("convert-img-size-below-a-patch", ["convert", "deit_tiny_patch16_224", "--no-pretrained", "--img-size", "8", "-o",
+     "{out}"], [], 2, ["takes 8×8 px, less than one 16×16 patch", "--img-size 16"]),
+    ("inspect-img-size-below-a-patch", ["inspect", "deit_tiny_patch16_224", "--img-size", "8"], [], 2,
+     ["less than one 16×16 patch"]),
+    ("convert-img-size-huge", ["convert", "deit_tiny_patch16_224", "--no-pretrained", "--img-size", "100000", "-o",
+     "{out}"], [], 2, ["--img-size must be an integer from 1 to 16384, got 100000"]),
+    ("bench-resolution-huge", [*BENCH, "deit_tiny_patch16_224", "--resolutions", "224,100000"], [], 2,
+     ["--resolutions must be an integer from 1 to 16384, got 100000"]),
+    ("convert-contrast-tokens-past-the-grid", ["convert", "deit_tiny_patch16_224", "--no-pretrained",
+     "--contrast-tokens", "1000000", "-o", "{out}"], [], 2, ["1000000 is more than 4× the 14×14 patch grid's 196"]),
+    ("fidelity-config-img-size-huge", ["fidelity", "{big_img}", "--device", "cpu"], ["big_img"], 2,
+     ["model_args.img_size = [60000, 60000]", "from 1 to 16384"]),
+    ("fidelity-config-depth-huge", ["fidelity", "{deep}", "--device", "cpu"], ["deep"], 2,
+     ["model_args.depth = 100000", "from 1 to 256"]),
+    ("convert-plan-contrast-tokens-past-the-grid", ["convert", "deit_tiny_patch16_224", "--no-pretrained", "--plan",
+     "{plan_n}", "-o", "{out}"], ["plan_n"], 2, ["pools 1000000 contrast tokens", "196 patches at 224×224 px"]),
+    ("convert-plan-other-resolution", ["convert", "deit_tiny_patch16_224", "--no-pretrained", "--plan", "{plan_448}",
+     "-o", "{out}"], ["plan_448"], 2, ["was made for 448 px", "takes 224×224 px", "--img-size 448"]),
+    ("convert-plan-merges-more-than-exist", ["convert", "deit_tiny_patch16_224", "--no-pretrained", "--plan",
+     "{plan_many}", "-o", "{out}"], ["plan_many"], 2, ["merges 1200 tokens in all", "196 patches"]),
+    ("finetune-recipe-negative-workers", ["finetune", "{ckpt}", "--recipe", "{recipe_workers}", "-o", "{out}"],
+     ["ckpt", "recipe_workers"], 2, ["data.num_workers must be >= 0"]),
+    # a vca-patch checkpoint as MODEL: what it is and what to do
+    ("convert-a-checkpoint", ["convert", "{ckpt}", "-o", "{out}"], ["ckpt"], 2,
+     ["already a vca-patch checkpoint", "target vca", "base model deit_tiny_patch16_224", "vca-patch finetune"]),
+    ("inspect-a-checkpoint", ["inspect", "{ckpt}"], ["ckpt"], 2,
+     ["already a vca-patch checkpoint", "convert the base model again"]),
 ]  # fmt: skip
 
 
@@ -178,6 +240,15 @@ def test_bad_input_gives_one_line_and_changes_nothing(files, tmp_path, monkeypat
     assert "or --no-pretrained for random" not in line  # never a hint to pass what was passed
     assert not (tmp_path / "out").exists()
     assert not Path("/nonexistent").exists()  # missing parents are never made
+
+
+def test_a_conversion_past_the_machines_memory_is_refused_with_the_estimate_and_the_limit(monkeypatch, tmp_path):
+    from vca_patch.core import sizes
+
+    monkeypatch.setattr(sizes, "available_memory", lambda device="cpu": (1 << 20, "available memory"))
+    result = _run(["convert", "deit_tiny_patch16_224", "--no-pretrained", "-o", str(tmp_path / "out")], [])
+    _one_error_line(result, 2, "needs about 29.5 MiB of activations, more than the 1.0 MiB of available memory")
+    assert not (tmp_path / "out").exists()
 
 
 def test_convert_into_the_current_folder_is_refused_and_leaves_no_debris(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import typer
 from vca_patch.cli.bench import bench
 from vca_patch.cli.convert import convert
 from vca_patch.cli.errors import DEBUG_ENV, guarded, silence_library_warnings
+from vca_patch.cli.export import export
 from vca_patch.cli.fidelity import fidelity
 from vca_patch.cli.finetune import finetune
 from vca_patch.cli.inspect import inspect
@@ -23,7 +24,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-for _command in (bench, convert, fidelity, finetune, inspect, plan, push):  # each inside the one error boundary
+for _command in (bench, convert, export, fidelity, finetune, inspect, plan, push):  # each inside the one error boundary
     app.command(name=_command.__name__)(guarded(_command))
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from vca_patch.cli.bench_timing import BenchTiming
 from vca_patch.cli.common import DEVICE_HELP, console, fail, parse_layers, prepare_cpu_kernel, resolve_device
 from vca_patch.core.paths import check_output
+from vca_patch.core.sizes import MAX_DEPTH, MAX_IMG_SIZE, activation_bytes, check_bound, check_memory
 from vca_patch.targets.base import CONFIG_TYPES, TargetConfig
 
 
@@ -21,6 +22,8 @@ def _parse_ints(spec: str, option: str) -> list[int]:
         raise typer.BadParameter(f"{spec!r} is not a comma-separated list of integers", param_hint=option) from None
     if not values or values[0] < 1:
         raise typer.BadParameter("give positive integers, e.g. 224,512", param_hint=option)
+    if option == "--resolutions":  # before anything is built: sizes whose tensors no machine holds
+        check_bound(values[-1], option, 1, MAX_IMG_SIZE)
     return values
 
 
@@ -35,6 +38,15 @@ def _target_configs(spec: str, layers: list[int] | None) -> list[TargetConfig]:
     if not configs:
         fail("--target names no target", 2)
     return configs
+
+
+def _check_memory(model: str, shape: Any, resolution: int, batch: int, device: str) -> None:
+    """The largest resolution's activations (fused attention: no N² matrix) against this machine's memory."""
+    (ph, pw), side = shape.patch_size, resolution
+    tokens = shape.num_prefix_tokens + (side // ph) * (side // pw)
+    estimate = activation_bytes(tokens, shape.dim, shape.depth, batch)
+    check_memory(estimate, f"{model} at {side} px ({tokens} tokens, batch {batch})", device=device,
+                 hint="bench smaller --resolutions or a smaller --batch")  # fmt: skip
 
 
 def bench(
@@ -132,6 +144,8 @@ def bench(
         raise BenchError(f"--{str(exc).replace('_', '-')}") from None
     if depth is not None and depth < 1:
         fail(f"--depth must be at least 1 block, got {depth}", 2)
+    if depth is not None:
+        check_bound(depth, "--depth", 1, MAX_DEPTH)
     configs = _target_configs(target, parse_layers(layers))
     model_args = {"depth": depth} if depth is not None else {}
     if device == "cpu" and dtype == "float32" and cpu_kernel and any(type(c).cpu_kernel() is not None for c in configs):
@@ -142,6 +156,7 @@ def bench(
         check_resolutions(model_shape(variants[0].model), settings.resolutions)
     except BenchError as exc:  # names the option and the model
         raise BenchError(f"--resolutions: {model}: {exc}") from None
+    _check_memory(model, model_shape(variants[0].model), settings.resolutions[-1], batch, device)
     with console.status("Measuring...") as status:
         # Progress replaces itself in the status line; what was skipped stays on screen.
         result = run_sweep(

@@ -11,6 +11,15 @@ import typer
 from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 
+from vca_patch.core.sizes import (
+    MAX_IMG_SIZE,
+    SizeError,
+    activation_bytes,
+    check_bound,
+    check_contrast_tokens,
+    check_memory,
+)
+
 
 class StdoutConsole(Console):
     """A console whose width is read at each print: COLUMNS if set, else the terminal's width; piped or captured
@@ -173,7 +182,10 @@ def load_base(name: str, *, pretrained: bool, weights: Path | None, img_size: in
     from vca_patch.checkpoint.base_model import is_transformers_source
     from vca_patch.core.errors import ConfigError
 
+    refuse_checkpoint_input(name)
     model_args = img_size_args(img_size)
+    if img_size is not None:  # before a position table of that size is built
+        check_bound(img_size, "--img-size", 1, MAX_IMG_SIZE)
     if is_transformers_source(name):
         model_args = {}  # its size is the config's: checked below
     try:
@@ -208,3 +220,77 @@ def warn_contrast_grid(report: PatchReport, model: str) -> None:
         highlight=False,
         soft_wrap=True,
     )
+
+
+def refuse_checkpoint_input(model: str) -> None:
+    """MODEL is a folder vca-patch wrote (its config.json has `vca_patch_version` and a `base`): say what it is
+    and what to do, instead of failing inside the loader (a converted model is not converted again)."""
+    import json
+
+    from vca_patch.core.errors import ConfigError
+
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return
+    try:
+        meta = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return
+    if not isinstance(meta, dict) or not isinstance(meta.get("base"), dict) or "vca_patch_version" not in meta:
+        return
+    target = (meta.get("config") or {}).get("target", "?") if isinstance(meta.get("config"), dict) else "?"
+    base_meta = meta["base"]  # timm: its model name; transformers: its Hub id when it has one
+    base = (base_meta.get("architecture") if base_meta.get("library") == "timm" else None) or base_meta.get(
+        "hf_hub_id") or base_meta.get("architecture") or "?"  # fmt: skip
+    raise ConfigError(
+        f"{model} is already a vca-patch checkpoint (target {target}, base model {base}); convert the base model "
+        f"again (vca-patch convert {base} ...), or train this one further with vca-patch finetune {model} --recipe ..."
+    )
+
+
+def model_patch(net: nn.Module) -> int | None:
+    """The patch side of a model's patch embedding (its first Conv2d's stride), or None."""
+    from torch import nn
+
+    conv = next((m for m in net.modules() if isinstance(m, nn.Conv2d)), None)
+    return None if conv is None else int(conv.stride[0])
+
+
+def contrast_token_counts(config: Any) -> list[int]:
+    """Every contrast-token count n a target config asks for (VCA's, per layer or stage, a plan's VCA blocks)."""
+    counts = [getattr(config, "contrast_tokens", None)]
+    for name in ("layer_contrast_tokens", "stage_contrast_tokens", "vca_layers"):
+        values = getattr(config, name, None)
+        if isinstance(values, dict):
+            counts.extend(values.values())
+        elif isinstance(values, (list, tuple)):
+            counts.extend(values)
+    return [n for n in counts if isinstance(n, int) and not isinstance(n, bool)]
+
+
+def check_model_sizes(net: nn.Module, config: Any, *, batch: int, device: str = "cpu", what: str = "MODEL") -> None:
+    """Before any forward pass or patching, from the built model's shapes alone: its input holds a whole
+    number of patches (at least one), the config's contrast tokens fit its patch grid, and a forward pass of
+    `batch` images fits this machine's memory (see vca_patch.core.sizes)."""
+    from vca_patch.core.model_io import model_input_size
+    from vca_patch.surgery import inspect_model
+
+    try:
+        report = inspect_model(net)
+        _, height, width = model_input_size(net)
+    except ValueError:  # not a model these checks can read: the conversion's own checks say why
+        return
+    layout, patch = report.layout, model_patch(net)
+    if layout is None or patch is None or not report.patched:  # hierarchical: one grid per stage
+        return
+    if min(height, width) < patch:
+        raise SizeError(f"{what} takes {height}×{width} px, less than one {patch}×{patch} patch; use --img-size "
+                        f"{patch} or more")  # fmt: skip
+    grid = layout.grid
+    for n in sorted(set(contrast_token_counts(config)), reverse=True)[:1]:
+        check_contrast_tokens(n, grid)
+    tokens = layout.num_prefix_tokens + grid[0] * grid[1]
+    site = report.patched[0]
+    estimate = activation_bytes(tokens, site.dim, len(report.patched), batch, heads=site.num_heads)
+    check_memory(estimate, f"{what} at {height}×{width} px ({tokens} tokens, batch {batch})", device=str(device),
+                 hint="use a smaller --img-size or fewer images at once")  # fmt: skip

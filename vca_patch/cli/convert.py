@@ -14,17 +14,26 @@ from vca_patch.checkpoint.folder import CARD_NAME, CONFIG_NAME, FORMS
 from vca_patch.cli.common import (
     DEVICE_HELP,
     DTYPE_HELP,
+    check_model_sizes,
     console,
     err_console,
     fail,
     load_base,
     parse_layers,
     prepare_cpu_kernel,
+    refuse_checkpoint_input,
     resolve_device,
     resolve_dtype,
     warn_contrast_grid,
 )
-from vca_patch.cli.fidelity import CALIBRATED_TARGETS, calibrate_for_convert, check_calibration_splits, summary_table
+from vca_patch.cli.errors import hold
+from vca_patch.cli.fidelity import (
+    CALIBRATED_TARGETS,
+    SKIP_HELP,
+    calibrate_for_convert,
+    check_calibration_splits,
+    summary_table,
+)
 from vca_patch.cli.report_view import sites_table, totals_table
 from vca_patch.cli.target_options import (
     refuse_other_targets,
@@ -35,12 +44,14 @@ from vca_patch.cli.target_options import (
 )
 from vca_patch.core.atomic import check_output_dir, foreign_entries
 from vca_patch.core.errors import ConfigError
+from vca_patch.core.lock import output_lock
 from vca_patch.core.model_io import compare_outputs, probe_batch
 from vca_patch.core.paths import check_output
 from vca_patch.families.diffusers import probe as dfp
 from vca_patch.families.diffusers import source as dfs
 from vca_patch.surgery import get_patch_state, patch_model
 from vca_patch.targets.base import CONFIG_TYPES, TargetConfig
+from vca_patch.targets.merge import MergeConfig
 
 LLAVA_SP = "llava-sp"  # not a registered target: its own command path, `_convert_llava_sp`
 CHECKPOINT_FILES = (CONFIG_NAME, CARD_NAME, *FORMS.values())  # what a checkpoint folder holds
@@ -87,6 +98,7 @@ class ConvertArgs:
         str | None, typer.Option(help="fashion_mnist, imagefolder or hf (default: from --calibration-data)")
     ] = None
     calibration_images: Annotated[int, typer.Option(help="Images used to calibrate, and to measure")] = 256
+    skip_bad_images: Annotated[bool, typer.Option("--skip-bad-images", help=SKIP_HELP)] = False
     split: Annotated[
         str, typer.Option(help="--calibration-data split to calibrate on (ImageFolder: its sub-folder; flat: 4 in 5)")
     ] = "train"
@@ -124,7 +136,25 @@ def convert(**options: Any) -> None:
     config = _checked_config(args, target_values)
     _check_inputs(args)
     net, base_weights = _build_base(args)
+    _check_sizes(args, net, config)
     _patch_measure_save(args, net, config, base_weights)
+
+
+def _check_sizes(args: ConvertArgs, net: torch.nn.Module, config: TargetConfig) -> None:
+    """From the built model's shapes, before any forward pass: a plan made for this resolution and grid, contrast
+    tokens within the grid, an input of whole patches, and activations that fit this machine's memory."""
+    if args.plan is not None and isinstance(config, MergeConfig):
+        from vca_patch.core.model_io import model_input_size
+        from vca_patch.planner import check_plan_fits
+        from vca_patch.surgery import inspect_model
+
+        layout = inspect_model(net).layout
+        if layout is not None:
+            warning = check_plan_fits(args.plan, config, model_input_size(net)[1:], layout.grid)
+            if warning:
+                err_console.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+    device = str(next(net.parameters()).device)
+    check_model_sizes(net, config, batch=args.probe_size, device=device, what=args.model)
 
 
 def _checked_config(args: ConvertArgs, target_values: dict[str, Any]) -> TargetConfig:
@@ -150,6 +180,7 @@ def _check_output(args: ConvertArgs) -> None:
               "--calibration-data": args.calibration_data, "--plan file": args.plan}  # fmt: skip
     check_output(args.output, inputs, kind="folder", replaces=True, option="-o")
     check_output_dir(args.output, overwrite=args.force)
+    hold(output_lock(args.output, "vca-patch convert"))  # a second run into -o fails at once, naming this one
 
 
 def _convert_only_options(args: ConvertArgs) -> dict[str, tuple[bool, tuple[str, ...]]]:
@@ -179,6 +210,7 @@ def _check_calibration_options(args: ConvertArgs) -> None:
 
 def _check_inputs(args: ConvertArgs) -> None:
     """Checks of the input files, and the warning of what --force removes, before any work."""
+    refuse_checkpoint_input(args.model)
     if args.weights is not None and not args.weights.is_file():
         fail(f"weights file {args.weights} does not exist", 2)
     if _local(args.calibration_data):
@@ -225,11 +257,11 @@ def _patch_measure_save(args: ConvertArgs, net: torch.nn.Module, config: TargetC
         fidelity_summary = dfp.fidelity_summary(dfp.attention_errors(net, probe), metrics)
         measured_on = f"{args.probe_size} random denoising inputs"
     else:
-        with console.status("Calibrating and measuring fidelity..."):
-            fidelity_summary, measured_on = calibrate_for_convert(
-                net, args.calibration_data, args.calibration_kind, args.calibration_images, probe,
-                split=args.split, eval_split=args.eval_split, grow_tokens=args.grow_tokens,
-            )  # fmt: skip
+        fidelity_summary, measured_on = calibrate_for_convert(  # progress bars with totals and ETA
+            net, args.calibration_data, args.calibration_kind, args.calibration_images, probe,
+            split=args.split, eval_split=args.eval_split, grow_tokens=args.grow_tokens,
+            skip_bad_images=args.skip_bad_images,
+        )  # fmt: skip
         report = get_patch_state(net).report  # --grow-tokens re-patched the grown blocks: their n and +params
     metadata = {"base_weights": base_weights, "model_name": args.model, "probe": metrics, "dtype": args.dtype}
     with console.status(f"Saving to {args.output}..."):

@@ -4,17 +4,24 @@ Ctrl-C into one line and exit 130. Commands raise; they do not catch and print.
 
 Exit codes: 2 for what the user gave (options, config, checkpoint, data, recipe, plan, output path); 1 for what
 could not be done with valid input (the Hub, an unknown model, weights that do not fit, a model that cannot be
-patched, training that diverged) and for internal errors; 130 for an interrupt."""
+patched, training that diverged) and for internal errors; 130 for an interrupt (Ctrl-C), 143 for SIGTERM, which
+is handled like Ctrl-C: it raises KeyboardInterrupt in the main thread, so staging folders are removed, locks
+released and a finetune's metrics.json marked interrupted with its resume step. A command `hold`s context managers
+(an output folder's lock) for its whole run: they are released when it ends, however it ends."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import typer
@@ -23,6 +30,49 @@ from typer.exceptions import TyperException
 
 F = TypeVar("F", bound=Callable[..., Any])
 DEBUG_ENV = "VCA_PATCH_DEBUG"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that it unwinds like Ctrl-C."""
+
+
+_terminating = False  # set by the SIGTERM handler: the exit code is 143, a second SIGTERM is ignored during cleanup
+_scopes: list[contextlib.ExitStack] = []  # the running command's held context managers
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    global _terminating
+    if _terminating:
+        return  # already unwinding: let the cleanup finish (SIGKILL still stops the process)
+    _terminating = True
+    raise Terminated("terminated (SIGTERM)")
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM raises Terminated in the main thread for the block (the previous handler restored after it)."""
+    global _terminating
+    _terminating = False
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def hold(manager: AbstractContextManager) -> Any:
+    """Enter `manager` until the running command ends (however it ends); its value. Outside a command: until
+    the process exits."""
+    if not _scopes:
+        import atexit
+
+        stack = contextlib.ExitStack()
+        atexit.register(stack.close)
+        return stack.enter_context(manager)
+    return _scopes[-1].enter_context(manager)
 
 
 def debug_enabled() -> bool:
@@ -67,7 +117,7 @@ def _run_errors() -> tuple[type[BaseException], ...]:
 def exit_code(exc: BaseException) -> int | None:
     """The exit code of one of vca-patch's own errors; None for any other exception."""
     if isinstance(exc, KeyboardInterrupt):
-        return 130
+        return 143 if _terminating or isinstance(exc, Terminated) else 130
     try:
         from vca_patch.hub.errors import InvalidRepoIdError
 
@@ -119,7 +169,12 @@ def guarded(command: F) -> F:
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return command(*args, **kwargs)
+            with _sigterm_as_interrupt(), contextlib.ExitStack() as scope:
+                _scopes.append(scope)
+                try:
+                    return command(*args, **kwargs)
+                finally:
+                    _scopes.remove(scope)
         except (typer.Exit, typer.Abort, TyperException):
             raise  # typer.Exit from `fail`, and typer's own usage errors (BadParameter): already one line
         except (Exception, KeyboardInterrupt) as exc:

@@ -15,7 +15,18 @@ from vca_patch.targets import CONFIG_TYPES, TargetConfig
 KINDS = ("fashion_mnist", "imagefolder", "hf")
 
 
-def data_spec(kind: str | None, path: str | None, split: str, limit: int | None, option: str = "--data-kind"):
+SKIP_HELP = "Skip unreadable or corrupt image files (counted and named on stderr) instead of stopping at the first"
+
+
+def data_spec(
+    kind: str | None,
+    path: str | None,
+    split: str,
+    limit: int | None,
+    option: str = "--data-kind",
+    *,
+    skip_bad_images: bool = False,
+):
     """A DataSpec for one evaluation split given on the command line; without `kind`, inferred from `path`."""
     from vca_patch.data import infer_kind
     from vca_patch.train.recipe import DataSpec
@@ -24,7 +35,38 @@ def data_spec(kind: str | None, path: str | None, split: str, limit: int | None,
         kind = infer_kind(path)
     if kind not in KINDS:
         fail(f"{option} must be one of {', '.join(KINDS)}, got {kind!r}", 2)
-    return DataSpec(kind=kind, path=path, eval_split=split, eval_limit=limit)
+    return DataSpec(kind=kind, path=path, eval_split=split, eval_limit=limit, skip_bad_images=skip_bad_images)
+
+
+class Batches:
+    """`loader` whose batches show a progress bar (total and ETA; plain lines when piped) as they are read; its
+    `dataset` and length kept. `then` runs after the last batch."""
+
+    def __init__(self, loader, description: str, then=None) -> None:
+        self.loader, self.description, self.then = loader, description, then
+        self.dataset = loader.dataset
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        from vca_patch.cli.progress import track
+
+        yield from track(self.loader, len(self.loader), self.description)
+        if self.then is not None:
+            self.then()
+
+
+def report_skipped(*datasets) -> None:
+    """One warning line per dataset that skipped unreadable images (--skip-bad-images)."""
+    from vca_patch.cli.common import err_console
+    from vca_patch.data.images import skipped_images
+
+    for dataset in datasets:
+        skipped = skipped_images(dataset)
+        line = skipped.summary() if skipped is not None else None
+        if line:
+            err_console.print(f"warning: {line}", highlight=False, soft_wrap=True, markup=False)
 
 
 def fidelity(
@@ -38,6 +80,7 @@ def fidelity(
         str, typer.Option(help="Split to measure on (ImageFolder: its sub-folder; val/test aliases; flat: held out)")
     ] = "test",
     limit: Annotated[int, typer.Option(help="Images to measure on")] = 512,
+    skip_bad_images: Annotated[bool, typer.Option("--skip-bad-images", help=SKIP_HELP)] = False,
     batch_size: Annotated[int, typer.Option(help="Batch size")] = 64,
     original: Annotated[
         Path | None,
@@ -79,7 +122,7 @@ def fidelity(
     if type(model).__module__.startswith("diffusers."):  # latents, timesteps and conditions instead of images
         diffusion_fidelity(model, reference, data, limit, json_out)
         return
-    spec = data_spec(data_kind, data, split, limit)
+    spec = data_spec(data_kind, data, split, limit, skip_bad_images=skip_bad_images)
     size = model_input_size(model)
     dataset = build_dataset(
         spec,
@@ -88,8 +131,10 @@ def fidelity(
         img_size=size[1],
         model_cfg={**(getattr(model, "pretrained_cfg", None) or {}), "input_size": size},
     )
-    with console.status(f"Measuring on {min(limit, len(dataset))} images..."), torch.no_grad():
-        report = measure(reference, model, DataLoader(dataset, batch_size=batch_size))
+    with torch.no_grad():
+        loader = DataLoader(dataset, batch_size=batch_size)
+        report = measure(reference, model, Batches(loader, f"Measuring on {min(limit, len(dataset))} images"))
+    report_skipped(dataset)
     console.print(layers_table(report))
     console.print(measured_table(report))
     if json_out is not None:
@@ -171,6 +216,7 @@ def calibrate_for_convert(
     split: str = "train",
     eval_split: str = "test",
     grow_tokens: float | None = None,
+    skip_bad_images: bool = False,
 ) -> tuple[dict[str, float], str]:
     """Calibrate a freshly patched VCA model on `images` images of split `split` of `data` (when given) and
     measure it (on `eval_split` of the same data, else on `probe`). Returns (summary, where measured).
@@ -188,12 +234,12 @@ def calibrate_for_convert(
     from vca_patch.recovery import calibrate
 
     if data is None:
-        with torch.no_grad():
+        with console.status("Measuring fidelity..."), torch.no_grad():
             return measure(None, net, [probe]).summary(), f"{len(probe)} random probe images"
     state = get_patch_state(net)
     if state is None or not any(state.config.calibrates(m) for m in net.modules()):
         fail("--calibration-data applies to conversions whose target calibrates (VCA)", 2)
-    spec = data_spec(kind, str(data), eval_split, None, "--calibration-kind")
+    spec = data_spec(kind, str(data), eval_split, None, "--calibration-kind", skip_bad_images=skip_bad_images)
     spec.train_split = split
     check_calibration_splits(Path(data), spec.kind, split, eval_split)
     size = model_input_size(net)
@@ -203,13 +249,22 @@ def calibrate_for_convert(
     held_out = build_dataset(spec, eval_split, training=False, img_size=size[1], model_cfg=cfg)
     calib = DataLoader(Subset(train, range(min(images, len(train)))), batch_size=64)
     probe_set = DataLoader(Subset(held_out, range(min(images, len(held_out)))), batch_size=64)
+    layers = sum(1 for m in net.modules() if state.config.calibrates(m))
+    fitting = console.status(f"Fitting {layers} layers in closed form...")
+
+    reading = Batches(calib, f"Reading {len(calib.dataset)} calibration images", then=fitting.start)  # then the fits
     with torch.no_grad():
-        report = calibrate(net, calib, grow_tokens=grow_tokens)
+        try:
+            report = calibrate(net, reading, grow_tokens=grow_tokens)
+        finally:
+            fitting.stop()
         if report.grown:
             grown = ", ".join(f"block {block}: n = {n}" for block, n in sorted(report.grown.items()))
             console.print(f"Calibration gave more contrast tokens to {grown}", highlight=False)
         where = f"{min(images, len(held_out))} held-out images of {data}"
-        return measure(None, net, probe_set).summary(), where
+        summary = measure(None, net, Batches(probe_set, f"Measuring on {len(probe_set.dataset)} images")).summary()
+    report_skipped(train, held_out)
+    return summary, where
 
 
 def check_calibration_splits(root: Path, kind: str | None, split: str, eval_split: str) -> None:

@@ -9,6 +9,8 @@ from typing import Annotated
 import typer
 
 from vca_patch.cli.common import console, fail
+from vca_patch.cli.errors import hold
+from vca_patch.core.lock import output_lock
 
 RUN_FILES = ("model.safetensors", "config.json", "README.md", "metrics.json", "checkpoints")
 
@@ -69,6 +71,14 @@ def finetune(
             "README.md, metrics.json and checkpoints/ are written; other files stay)",
         ),
     ] = False,
+    skip_bad_images: Annotated[
+        bool,
+        typer.Option(
+            "--skip-bad-images",
+            help="Skip unreadable or corrupt image files (counted and named on stderr); also the recipe's "
+            "data.skip_bad_images",
+        ),
+    ] = False,
 ) -> None:
     """Recover CONVERTED with RECIPE; writes a loadable checkpoint, metrics.json and checkpoints/ to --output.
 
@@ -84,6 +94,8 @@ def finetune(
     from vca_patch.train.finetune import resume_point
 
     spec = load_recipe(recipe)
+    if skip_bad_images:
+        spec.data.skip_bad_images = True
     check_finetune_output(converted, recipe, spec, output, resume=resume, force=force)
     if resume:
         step = resume_point(output)
@@ -98,7 +110,9 @@ def finetune(
         )
     except ValueError as exc:  # --device / --mixed-precision: the user's to fix
         raise ConfigError(str(exc)) from exc
-    # errors (recipe, data, checkpoint: 2; diverged: 1; Ctrl-C: 130) are reported by the CLI's error boundary
+    if accelerator.is_main_process:  # a second run into --output fails at once, naming this one
+        hold(output_lock(output, "vca-patch finetune"))
+    # errors (recipe, data, checkpoint: 2; diverged: 1; Ctrl-C: 130, SIGTERM: 143) are reported by the CLI's boundary
     try:
         result = run(converted, spec, output, resume=resume, accelerator=accelerator)
     except FileNotFoundError as exc:  # an incomplete training checkpoint under --output: the user's files

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated
 
 import torch
 import typer
 from rich.table import Table
 
-from vca_patch.cli.common import console, fail, load_base
+from vca_patch.cli.common import check_model_sizes, console, fail, load_base
 from vca_patch.core.atomic import atomic_file
 from vca_patch.core.paths import check_output
+from vca_patch.core.sizes import MAX_IMG_SIZE, check_bound
 from vca_patch.planner import PLAN_UNMERGE_MODES, PlanError, PlanResult, draw_front, plan_model, save_plan
 from vca_patch.planner.costs import token_counts
 from vca_patch.planner.images import image_files, load_images
@@ -139,6 +141,7 @@ def plan(
         raise PlanError("--images must be at least 1 and --eval-images at least 0")
     if unmerge not in PLAN_UNMERGE_MODES:
         raise PlanError(f"--unmerge must be one of {', '.join(PLAN_UNMERGE_MODES)}, got {unmerge!r}")
+    check_bound(resolution, "--resolution", 1, MAX_IMG_SIZE)  # before a position table of that size is built
     inputs = {"--calibration-data": calibration_data, "--weights file": weights, "MODEL": Path(model)}
     for option, path in (("-o", output), ("--png", png)):  # never an input; its folder exists; --force to replace
         check_output(path, inputs, kind="file", force=force, option=option)
@@ -155,6 +158,8 @@ def plan(
             raise PlanError(f"--threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
     net = load_base(model, pretrained=pretrained, weights=weights, img_size=resolution).eval()
+    check_model_sizes(net, SimpleNamespace(), batch=images + eval_images,  # candidates past the grid are skipped
+                      what=f"{model} at --resolution {resolution}")  # fmt: skip
     cfg = getattr(net, "pretrained_cfg", None) or {}
     norm = {k: tuple(cfg[k]) for k in ("mean", "std") if k in cfg}
     calib = load_images(files[:images], resolution, **norm)
@@ -184,5 +189,6 @@ def plan(
         draw_front(tmp, series, title=f"{model} at {resolution} px", budget=budget, chosen=chosen)
         save_plan(output, result.config, result.details(model))
     console.print(
-        f"[bold green]Saved[/] {output} and {png}; apply with: vca-patch convert {model} --plan {output} -o DIR"
+        f"[bold green]Saved[/] {output} and {png}; apply with: vca-patch convert {model} --plan {output} "
+        f"--img-size {resolution} -o DIR"
     )

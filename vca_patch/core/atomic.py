@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -127,33 +129,60 @@ def atomic_file(path: Path | str, *, suffix: str = "") -> Iterator[Path]:
 
 
 @contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold off Ctrl-C and SIGTERM for the block (they are delivered, and raise, right after it): a cleanup that
+    an interrupt would leave half done (a staging folder half removed) runs to its end."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextmanager
 def staged_directory(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces `dest` in one rename.
 
-    On any error the temporary folder is removed and `dest` is left as it was; no staging or `.old-` folder is
-    ever left behind. The current folder (or one holding it) is refused: it cannot be renamed away safely.
+    On any error, Ctrl-C or SIGTERM (any BaseException; the CLI turns SIGTERM into KeyboardInterrupt) the temporary
+    folder is removed and `dest` is left as it was; no staging or `.old-` folder is ever left behind (the swap and
+    the cleanup run with interrupts held off until they are done). The current folder (or one holding it) is
+    refused: it cannot be renamed away safely.
     """
     dest = Path(os.path.abspath(dest))  # "." or "a/.." have no name of their own; a symlink stays the link
     check_output_dir(dest, overwrite=overwrite)
     if not dest.parent.is_dir():  # missing parents are never made: a typo would scatter folders
         raise UnsafeOutputError(f"cannot write {dest}: folder {dest.parent} does not exist (create it first)")
     stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent))
-    public_mode(stage, folder=True)
     trash: Path | None = None
     try:
+        public_mode(stage, folder=True)
         yield stage
         _public_tree(stage)  # writers that stage privately (mkstemp, safetensors): the umask's modes, as open() gives
-        if dest.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-            os.replace(dest, trash / dest.name)
-            try:
-                os.replace(stage, dest)
-            except BaseException:
-                os.replace(trash / dest.name, dest)  # put the old folder back
-                raise
-        else:
-            os.replace(stage, dest)
+        with signals_deferred():
+            trash = _swap_in(stage, dest)
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
+        with signals_deferred():
+            shutil.rmtree(stage, ignore_errors=True)
+            if trash is not None:
+                shutil.rmtree(trash, ignore_errors=True)
+
+
+def _swap_in(stage: Path, dest: Path) -> Path | None:
+    """Rename `stage` to `dest`, the old `dest` moved to a trash folder first (returned, to remove) and put back if
+    the rename fails."""
+    if not dest.exists():
+        os.replace(stage, dest)
+        return None
+    trash = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+    try:
+        os.replace(dest, trash / dest.name)
+        os.replace(stage, dest)
+    except BaseException:
+        if not dest.exists() and (trash / dest.name).exists():
+            os.replace(trash / dest.name, dest)  # put the old folder back
+        shutil.rmtree(trash, ignore_errors=True)
+        raise
+    return trash

@@ -11,6 +11,7 @@ from torch.utils.data import Dataset, Subset
 from vca_patch.data.errors import DatasetError
 from vca_patch.data.fashion_mnist import DEFAULT_ROOT, FashionMNISTAsRGB, load_fashion_mnist
 from vca_patch.data.imagefolder import load_imagefolder
+from vca_patch.data.images import adapt_data_config, adapt_image
 
 
 def _limit(dataset: Dataset, limit: int | None) -> Dataset:
@@ -31,16 +32,16 @@ def _timm_transform(model_cfg: dict[str, Any], training: bool, augment: str) -> 
 class HFImageDataset(Dataset):
     """A Hugging Face `datasets` split as (image tensor, label) pairs."""
 
-    def __init__(self, split: Any, transform: Any, image_key: str, label_key: str) -> None:
+    def __init__(self, split: Any, transform: Any, image_key: str, label_key: str, channels: int = 3) -> None:
         self.split, self.transform = split, transform
-        self.image_key, self.label_key = image_key, label_key
+        self.image_key, self.label_key, self.channels = image_key, label_key, channels
 
     def __len__(self) -> int:
         return len(self.split)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         row = self.split[int(i)]
-        return self.transform(row[self.image_key].convert("RGB")), int(row[self.label_key])
+        return self.transform(adapt_image(row[self.image_key], self.channels)), int(row[self.label_key])
 
 
 def build_dataset(
@@ -50,12 +51,17 @@ def build_dataset(
 
     `model_cfg` is the model's timm data config (its `input_size`, mean, std, crop): ImageFolder and Hub images go
     through timm's transform for it; Fashion-MNIST's grey images too when the model takes RGB input (a model built
-    for them, one channel, gets them as they are, resized to `img_size` or the recipe's data.img_size)."""
+    for them, one channel, gets them as they are, resized to `img_size` or the recipe's data.img_size). Every kind
+    is adapted to the model the same way (`data.images`: grey for a 1-channel model, RGB for a 3-channel one), in
+    `fidelity`, `convert --calibration-data` and recipes alike; an unreadable image file is a DatasetError naming
+    it, or skipped and counted when `spec.skip_bad_images`."""
     limit = spec.train_limit if training else spec.eval_limit
     name = spec.train_split if training else spec.eval_split
     cfg = dict(model_cfg or {})
     channels = int(cfg.get("input_size", (1,))[0])
     cfg.setdefault("input_size", (3, img_size, img_size))
+    photo_channels = channels if "input_size" in (model_cfg or {}) else 3  # ImageFolder / Hub images: RGB unless told
+    cfg = adapt_data_config(cfg, photo_channels)
     if spec.kind == "fashion_mnist":
         root = spec.path or DEFAULT_ROOT
         if channels == 3 and not spec.img_size:  # an RGB model: its own size and normalisation, as timm would
@@ -65,7 +71,11 @@ def build_dataset(
     if spec.kind == "imagefolder":
         if not spec.path:
             raise DatasetError("data.path must point at an ImageFolder root (train/ and val/ folders, or classes)")
-        return _limit(load_imagefolder(spec.path, name, training=training, transform=transform), limit)
+        skip = bool(getattr(spec, "skip_bad_images", False))
+        folder = load_imagefolder(
+            spec.path, name, training=training, transform=transform, channels=photo_channels, skip_bad=skip
+        )
+        return _limit(folder, limit)
     if spec.kind == "hf":
         try:
             import datasets
@@ -77,7 +87,7 @@ def build_dataset(
             hf_split = datasets.load_dataset(spec.path, split=name)
         except Exception as exc:  # datasets raises many types (offline, missing, auth)
             raise DatasetError(f"cannot load Hugging Face dataset {spec.path!r} split {name!r}: {exc}") from exc
-        return _limit(HFImageDataset(hf_split, transform, spec.image_key, spec.label_key), limit)
+        return _limit(HFImageDataset(hf_split, transform, spec.image_key, spec.label_key, photo_channels), limit)
     raise DatasetError(f"unknown data.kind {spec.kind!r}")
 
 

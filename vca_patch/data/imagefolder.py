@@ -9,6 +9,7 @@ from typing import Any
 from torch.utils.data import Dataset, Subset
 
 from vca_patch.data.errors import DatasetError
+from vca_patch.data.images import SkippedImages, read_image
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
 ALIASES = (("train", "training"), ("val", "validation", "valid", "test", "testing", "eval"))
@@ -44,17 +45,42 @@ def split_folder(root: Path, name: str) -> Path | None:
     )
 
 
-def load_imagefolder(root: str | Path, name: str, *, training: bool, transform: Any) -> Dataset:
-    """Split `name` of an ImageFolder tree; in a flat folder, the training part (4 in 5 images) or the held-out
-    part (every 5th), so calibration or training never sees the images it is measured on."""
+def _checked_folder(folder: Path, transform: Any, *, channels: int, skip_bad: bool) -> Dataset:
+    """torchvision's ImageFolder whose images are read by `read_image` (an unreadable one named, or skipped and
+    counted with `skip_bad`: the next readable image stands in for it) and adapted to `channels`."""
     from torchvision.datasets import ImageFolder
 
+    class CheckedImageFolder(ImageFolder):
+        def __getitem__(self, index: int) -> tuple[Any, int]:
+            for attempt in range(len(self.samples)):
+                path, target = self.samples[(index + attempt) % len(self.samples)]
+                try:
+                    image = read_image(path, channels)
+                except DatasetError as exc:
+                    if not skip_bad:
+                        raise
+                    self.skipped.add(path, exc)
+                    continue
+                return (self.transform(image) if self.transform is not None else image), target
+            raise DatasetError(f"ImageFolder {self.root} holds no readable image ({len(self.skipped)} skipped)")
+
+    try:
+        dataset = CheckedImageFolder(str(folder), transform=transform)
+    except (FileNotFoundError, OSError) as exc:
+        raise DatasetError(f"cannot read ImageFolder {folder}: {exc}") from exc
+    dataset.skipped = SkippedImages()
+    return dataset
+
+
+def load_imagefolder(
+    root: str | Path, name: str, *, training: bool, transform: Any, channels: int = 3, skip_bad: bool = False
+) -> Dataset:
+    """Split `name` of an ImageFolder tree; in a flat folder, the training part (4 in 5 images) or the held-out
+    part (every 5th), so calibration or training never sees the images it is measured on. Images are adapted to a
+    model of `channels` input channels; an unreadable one is a DatasetError naming it, or skipped with `skip_bad`."""
     root = Path(root)
     folder = split_folder(root, name)
-    try:
-        dataset = ImageFolder(str(folder or root), transform=transform)
-    except (FileNotFoundError, OSError) as exc:
-        raise DatasetError(f"cannot read ImageFolder {folder or root}: {exc}") from exc
+    dataset = _checked_folder(folder or root, transform, channels=channels, skip_bad=skip_bad)
     if folder is not None:
         return dataset
     indices = [i for i in range(len(dataset)) if (i % HOLDOUT_EVERY == 0) != training]

@@ -3,12 +3,14 @@
 A shifted-window block (Swin) rolls its H×W grid by `shift`, pads it to whole windows and hands its attention
 the windows only. The block's own forward (a hook of the adapter's) opens a scope with these facts; the window
 layer reads them to rebuild the full grid from the windows and to partition its output back. A context variable,
-as for `layout`: threads and model copies each see their own call.
+as for `layout`: threads and model copies each see their own call. Under torch.compile / torch.export (dynamo
+cannot trace a context variable's mutation) the call is a plain attribute of its owner (`traced`), set by the
+block's hook within the traced call and read by its layer: the graph carries the grid as the (symbolic) shapes it
+is derived from, and no lookup keyed by the owner runs in traced code.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ class WindowCall:
     @property
     def padded(self) -> tuple[int, int]:
         (H, W), (kh, kw) = self.grid, self.window
-        return math.ceil(H / kh) * kh, math.ceil(W / kw) * kw
+        return -(-H // kh) * kh, -(-W // kw) * kw  # integer ceil: stays a symbolic size under torch.compile
 
     @property
     def num_windows(self) -> int:
@@ -67,23 +69,36 @@ _CALLS: ContextVar[dict[Hashable, WindowCall] | None] = ContextVar("vca_patch_wi
 
 
 def open_window_call(owner: Hashable, call: WindowCall) -> None:
-    """Make `call` the current window call of `owner` (a block's hook) in this context."""
-    _CALLS.set({**(_CALLS.get() or {}), owner: call})
+    """Make `call` the current window call of `owner` (a block's hook) in this context; while torch.compile traces,
+    the owner's plain attribute `traced` instead."""
+    if torch.compiler.is_compiling():
+        owner.traced = call
+    else:
+        _CALLS.set({**(_CALLS.get() or {}), owner: call})
 
 
 def close_window_call(owner: Hashable) -> None:
+    if torch.compiler.is_compiling():
+        owner.traced = None
+        return
     calls = _CALLS.get() or {}
     if owner in calls:
         _CALLS.set({k: v for k, v in calls.items() if k is not owner})
 
 
 def current_window_call(owner: Hashable) -> WindowCall | None:
+    if torch.compiler.is_compiling():
+        call = getattr(owner, "traced", None)
+        if call is not None:
+            return call
     return (_CALLS.get() or {}).get(owner)
 
 
 class WindowCallOwner:
     """Owns a windowed block's window-call scope (subclasses are the block's pre-hooks that open it): `current` is
     the call it opened in this context, or None; a replacement reads it as its `window_source`."""
+
+    traced: WindowCall | None = None  # the call being traced by torch.compile / torch.export (see the module doc)
 
     def current(self) -> WindowCall | None:
         return current_window_call(self)

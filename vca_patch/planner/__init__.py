@@ -2,7 +2,7 @@
 
 from vca_patch.planner.front import draw_front
 from vca_patch.planner.model_info import ModelInfo, PlanError, model_info
-from vca_patch.planner.plan_file import load_plan, read_plan, save_plan
+from vca_patch.planner.plan_file import check_plan_fits, load_plan, read_plan, save_plan
 from vca_patch.planner.planner import (
     PLAN_UNMERGE_MODES,
     PlanResult,
@@ -23,6 +23,7 @@ __all__ = [
     "PlanResult",
     "apply_plan",
     "candidates",
+    "check_plan_fits",
     "choose",
     "choose_measured",
     "draw_front",

@@ -52,4 +52,57 @@ def load_plan(path: str | Path) -> MergeConfig:
         raise PlanError(f"{path}: invalid plan config: {error}") from None
     if not isinstance(config, MergeConfig):
         raise PlanError(f"{path}: a plan's config is a merge config (target 'merge'), got target {config.target!r}")
+    _check_recorded_sizes(config, data.get("model"), path)
     return config
+
+
+def plan_sizes(config: MergeConfig, depth: int | None = None) -> tuple[int, int]:
+    """(tokens the plan merges in all, its largest VCA contrast-token count n) (0 where none); `r` counts once per
+    block of a `depth`-block model when no schedule is given."""
+    merged = sum(config.schedule) if config.schedule is not None else config.r * (depth or 0)
+    return merged, max((config.vca_layers or {}).values(), default=0)
+
+
+def _check_recorded_sizes(config: MergeConfig, model: Any, path: str | Path) -> None:
+    """A plan's own numbers against the grid it records: no more tokens merged or contrast tokens pooled than
+    the patches it was made for (an old plan without the record is checked against the model when applied)."""
+    if not isinstance(model, dict):
+        return
+    patches, depth = model.get("patch_tokens"), model.get("depth")
+    if not isinstance(patches, int) or isinstance(patches, bool):
+        return
+    merged, n = plan_sizes(config, depth if isinstance(depth, int) else None)
+    where = f"{path} (made for {model.get('resolution', '?')} px, {patches} patch tokens)"
+    if merged >= patches:
+        raise PlanError(f"{where}: it merges {merged} tokens in all, more than the {patches - 1} that can merge; "
+                        "make the plan again with `vca-patch plan`")  # fmt: skip
+    if n > patches:
+        raise PlanError(f"{where}: a VCA block pools {n} contrast tokens, more than its {patches} patches; make the "
+                        "plan again with `vca-patch plan`")  # fmt: skip
+
+
+def check_plan_fits(
+    path: str | Path, config: MergeConfig, resolution: tuple[int, int], grid: tuple[int, int]
+) -> str | None:
+    """Refuse a plan applied at another resolution than it was made for, or that merges more tokens (or pools
+    more contrast tokens) than the model's `grid` of patches has; a plan that does not record its resolution
+    (older plan files) is applied with the warning returned (None when it does)."""
+    model = read_plan(path).get("model")
+    recorded = model.get("resolution") if isinstance(model, dict) else None
+    height, width = resolution
+    patches = grid[0] * grid[1]
+    depth = model.get("depth") if isinstance(model, dict) else None
+    if recorded is not None and (recorded, recorded) != (height, width):
+        raise PlanError(f"{path} was made for {recorded} px, but the model takes {height}×{width} px; pass "
+                        f"--img-size {recorded}, or make the plan at {height} px (vca-patch plan --resolution "
+                        f"{height})")  # fmt: skip
+    merged, n = plan_sizes(config, depth if isinstance(depth, int) else None)
+    if merged >= patches:
+        raise PlanError(f"{path} merges {merged} tokens in all; the model has {patches} patches at {height}×{width} "
+                        "px (at most one fewer can merge): make the plan at this resolution")  # fmt: skip
+    if n > patches:
+        raise PlanError(f"{path} pools {n} contrast tokens in a VCA block; the model has {patches} patches at "
+                        f"{height}×{width} px: make the plan at this resolution")  # fmt: skip
+    if recorded is None:
+        return f"{path} does not record the resolution it was made for; it is applied at {height}×{width} px unchecked"
+    return None

@@ -69,7 +69,13 @@ class PlanResult:
     def details(self, model_name: str | None = None) -> dict[str, Any]:
         """JSON-safe record for the plan file."""
         return {
-            "model": {"name": model_name, **self.info.expect(), "resolution": self.resolution},
+            "model": {
+                "name": model_name,
+                **self.info.expect(),
+                "resolution": self.resolution,
+                "tokens": self.info.tokens(self.resolution),
+                "patch_tokens": self.info.tokens(self.resolution) - self.info.num_prefix_tokens,
+            },
             "budget": self.budget,
             "objective": self.objective,
             "chosen": self.chosen.to_dict(),

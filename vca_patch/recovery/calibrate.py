@@ -17,7 +17,7 @@ every step's relative error of the layer's output is recorded. Targets without a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +171,7 @@ def run_calibration(
     """`calibrate` with its keywords bundled: capture, calibrate every layer the target calibrates, grow."""
     if get_patch_state(model) is None:
         raise PatchError("model is not patched by vca_patch; call vca_patch.patch_model(model) first")
+    batches = _checked_batches(batches)
     images: list[torch.Tensor] = []
     if options.inputs == "converted":
         batches = list(batches)
@@ -186,6 +187,31 @@ def run_calibration(
     finally:
         model.train(was_training)
     return report
+
+
+def _checked_batches(batches: Iterable) -> Iterator:
+    """`batches`, each checked before the model sees it: images found, not empty, finite; a DatasetError (one line,
+    before any torch error) for an empty batch, NaN/infinite values, or no batch at all."""
+    from vca_patch.data.errors import DatasetError
+
+    if isinstance(batches, torch.Tensor):
+        raise DatasetError("calibrate takes an iterable of batches (e.g. a DataLoader, or [images]), not one tensor")
+    count = 0
+    for batch in batches:
+        try:
+            images = batch_images(batch)
+        except (TypeError, ValueError) as exc:
+            raise DatasetError(f"calibration batch {count}: {exc}") from exc
+        if images.numel() == 0:
+            raise DatasetError(f"calibration batch {count} is empty (shape {tuple(images.shape)}); give images")
+        if images.is_floating_point() and not bool(torch.isfinite(images).all()):
+            raise DatasetError(
+                f"calibration batch {count} holds NaN or infinite values; check the images and their normalisation"
+            )
+        count += 1
+        yield batch
+    if count == 0:
+        raise DatasetError("calibrate got no batches: the calibration data is empty (give at least one image)")
 
 
 def _model_images(model: nn.Module, batches: list) -> list[torch.Tensor]:

@@ -134,7 +134,12 @@ def _train_loader(dataset: Dataset, batch_size: int, workers: int, world: int, s
     from accelerate.data_loader import SeedableRandomSampler
 
     if len(dataset) < batch_size * world:
-        raise ValueError(f"the training set has {len(dataset)} images, fewer than one batch ({batch_size} x {world})")
+        from vca_patch.data.errors import DatasetError  # a ValueError: the recipe's data is the user's to fix
+
+        raise DatasetError(
+            f"the training set has {len(dataset)} images, fewer than one batch ({batch_size} x {world}); give more "
+            "images (data.train_limit) or a smaller train.batch_size"
+        )
     sampler = SeedableRandomSampler(dataset, generator=torch.Generator(), data_seed=seed)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=True, num_workers=workers,
@@ -176,11 +181,13 @@ class _Window:
 
 
 class _Progress:
-    """A rich progress bar (main process, interactive terminals) or plain log lines."""
+    """A rich progress bar (main process, interactive terminals) or plain log lines with the step, the total and
+    the time left (piped output, e.g. a log file or a job scheduler)."""
 
     def __init__(self, enabled: bool, total: int, completed: int) -> None:
         self.enabled = enabled
         self.bar = None
+        self.total, self.first, self.start = total, completed, time.monotonic()
         if not enabled:
             return
         from rich.console import Console
@@ -208,11 +215,20 @@ class _Progress:
             extra = {"info": info} if info is not None else {}
             self.bar.update(self.task, completed=step, description=stage, **extra)
         elif log:
-            self.console.print(f"[{stage}] step {step} {info}", highlight=False)
+            line = f"[{stage}] step {step}/{self.total}{self._eta(step)} {info}"
+            self.console.print(line, highlight=False, markup=False)
+
+    def _eta(self, step: int) -> str:
+        """ ", ETA h:mm:ss" from the steps done in this process (empty before the first or after the last)."""
+        done, left = step - self.first, self.total - step
+        if done <= 0 or left <= 0:
+            return ""
+        seconds = int((time.monotonic() - self.start) / done * left)
+        return f", ETA {seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
     def print(self, text: str) -> None:
         if self.enabled:
-            (self.bar.console if self.bar is not None else self.console).print(text, highlight=False)
+            (self.bar.console if self.bar is not None else self.console).print(text, highlight=False, markup=False)
 
     def close(self) -> None:
         if self.bar is not None:

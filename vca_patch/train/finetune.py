@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from torch import nn
 from vca_patch.checkpoint import save_pretrained
 from vca_patch.checkpoint.folder import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, read_checkpoint_config
 from vca_patch.checkpoint.model_card import recipe_metadata
-from vca_patch.core.atomic import atomic_write_text
+from vca_patch.core.atomic import atomic_write_text, signals_deferred
 from vca_patch.train.checkpoints import latest_checkpoint, trainer_state
 from vca_patch.train.engine import RunOptions, RunResult, make_accelerator, run_recipe
 from vca_patch.train.recipe import Recipe, load_recipe
@@ -45,6 +46,7 @@ def resume_point(output: Path) -> int | None:
 def mark_interrupted(output: Path, *, write: bool = True) -> str:
     """Mark output/metrics.json "interrupted" with the step `--resume` continues from; return the message."""
     step = resume_point(output)
+    marked = False
     if write and (output / "metrics.json").is_file():
         try:
             metrics = json.loads((output / "metrics.json").read_text())
@@ -53,12 +55,11 @@ def mark_interrupted(output: Path, *, write: bool = True) -> str:
         if isinstance(metrics, dict):
             metrics.update(status="interrupted", resume_step=step)
             atomic_write_text(output / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+            marked = True
     if step is None:
         return f"interrupted before the first checkpoint; nothing to resume in {output}: run again without --resume"
-    return (
-        f"interrupted; {output}/metrics.json is marked interrupted. Continue with --resume: it restarts from "
-        f"step {step} ({latest_checkpoint(output)})"
-    )
+    said = f"{output}/metrics.json is marked interrupted. " if marked else ""
+    return f"interrupted; {said}Continue with --resume: it restarts from step {step} ({latest_checkpoint(output)})"
 
 
 def publish(model: nn.Module, output: Path, *, model_args: dict | None, metadata: dict[str, Any]) -> None:
@@ -108,13 +109,28 @@ def finetune(
     )
     try:
         result = run_recipe(data.student, data.teacher, recipe, output, options)
-    except KeyboardInterrupt:
-        raise TrainingInterrupted(mark_interrupted(output, write=accelerator.is_main_process)) from None
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the CLI raises KeyboardInterrupt for it)
+        with signals_deferred():  # a second signal must not stop the marking half way
+            message = mark_interrupted(output, write=accelerator.is_main_process)
+        raise TrainingInterrupted(message) from None
+    finally:
+        _report_skipped(data.train_set, data.eval_set)
     if result.completed and accelerator.is_main_process:
         publish_result(task, result, recipe, converted, output)
     accelerator.wait_for_everyone()
     torch.set_grad_enabled(True)
     return result
+
+
+def _report_skipped(*datasets: Any) -> None:
+    """A warning line on stderr for each dataset that skipped unreadable images (data.skip_bad_images)."""
+    from vca_patch.data.images import skipped_images
+
+    for dataset in datasets:
+        skipped = skipped_images(dataset)
+        line = skipped.summary() if skipped is not None else None
+        if line:
+            print(f"warning: {line}", file=sys.stderr)
 
 
 def publish_result(task: Task, result: RunResult, recipe: Recipe, converted: Path, output: Path) -> None:

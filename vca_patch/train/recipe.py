@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from vca_patch.core.sizes import MAX_IMG_SIZE
 from vca_patch.train.diffusion_spec import DiffusionSpec, check_diffusion_spec
 
 
@@ -42,6 +43,7 @@ class DataSpec:
     num_workers: int = 0
     image_key: str = "image"
     label_key: str = "label"
+    skip_bad_images: bool = False  # an unreadable image file: skipped and counted (default: an error naming it)
 
 
 @dataclass
@@ -274,6 +276,27 @@ def _check(recipe: Recipe) -> None:
             raise RecipeError(problems[0])
     if recipe.data.mixup < 0 or recipe.data.cutmix < 0:
         raise RecipeError("data.mixup and data.cutmix must be >= 0")
+    _check_sizes(recipe)
+
+
+def _check_sizes(recipe: Recipe) -> None:
+    """Counts and sizes that make no sense are refused before anything is loaded: image and example counts of at
+    least 1 (null: all), warm-up steps of at least 0, no negative worker count, an image side of 1 to 16384 px."""
+    d, t = recipe.data, recipe.train
+    for key in ("train_limit", "eval_limit"):
+        if getattr(d, key) is not None and getattr(d, key) < 1:
+            raise RecipeError(f"data.{key} must be >= 1 (or null: every example), got {getattr(d, key)}")
+    if d.img_size is not None and not 1 <= d.img_size <= MAX_IMG_SIZE:
+        raise RecipeError(f"data.img_size must be from 1 to {MAX_IMG_SIZE} px (or null: the model's), got {d.img_size}")
+    if d.num_workers < 0:
+        raise RecipeError(f"data.num_workers must be >= 0 (0: load in the main process), got {d.num_workers}")
+    if t.eval_images < 1:
+        raise RecipeError(f"train.eval_images must be >= 1, got {t.eval_images}")
+    for i, s in enumerate(recipe.stages):
+        if s.warmup_steps < 0:
+            raise RecipeError(f"stages[{i}].warmup_steps must be >= 0, got {s.warmup_steps}")
+        if s.calibration_images < 1:
+            raise RecipeError(f"stages[{i}].calibration_images must be >= 1, got {s.calibration_images}")
 
 
 def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:

@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from vca_patch.core.config_checks import PATH_KEY, is_plain, unsafe
+from vca_patch.core.sizes import SizeError, config_size_problem
 
 TIMM_ARCHITECTURE = "vca_patch"  # the timm entrypoint registered by vca_patch.hub.timm_entrypoint
 
@@ -69,6 +70,9 @@ def check_timm_model_args(args: Any, where: str, field: str = "model_args") -> d
             )
         if not is_plain(value):
             raise unsafe(where, f"{field}.{key}", value, "expected a number, string, boolean, null or a list of them")
+        problem = config_size_problem(key, value)
+        if problem:  # a size no model is built at: refused before the allocation
+            raise SizeError(str(unsafe(where, f"{field}.{key}", value, problem)))
     return args
 
 

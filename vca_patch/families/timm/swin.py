@@ -49,7 +49,7 @@ class BlockWindowHook(WindowCallOwner):
 
     def __call__(self, block: nn.Module, args: tuple) -> None:
         x = args[0]
-        call = WindowCall((int(x.shape[1]), int(x.shape[2])), tuple(block.window_size), tuple(block.shift_size))
+        call = WindowCall((x.shape[1], x.shape[2]), tuple(block.window_size), tuple(block.shift_size))  # no int()
         open_window_call(self, call)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from vca_patch.core.config_checks import PATH_KEY, unsafe
 from vca_patch.core.errors import UnsafeConfigError
 from vca_patch.core.hub_access import is_hub_id
+from vca_patch.core.sizes import SizeError, config_size_problem
 
 # transformers config keys that make transformers load code, kernels, quantizers or other checkpoints.
 _HF_CODE_KEYS = {
@@ -92,6 +93,9 @@ def _check_hf_key(key: str, value: Any, where: str, field: str) -> None:
         raise unsafe(where, field, value, "it names a checkpoint transformers would load; use backbone_config")
     if PATH_KEY.search(key) and value not in (None, "") and not isinstance(value, (bool, int, float)):
         raise unsafe(where, field, value, "options that name files, folders or URLs are not allowed")
+    problem = config_size_problem(key, value)
+    if problem:  # a size no model is built at: refused before the allocation
+        raise SizeError(str(unsafe(where, field, value, problem)))
 
 
 def check_transformers_config(config: Any, where: str, field: str = "base.config") -> None:

@@ -67,7 +67,7 @@ class PaddedShiftWindowCall(WindowCall):
 def _window_and_shift(block: nn.Module, grid: tuple[int, int]) -> tuple[int, int]:
     """The window and shift `SwinLayer` uses on `grid` (it clamps both when the grid is no larger than a window)."""
     if min(grid) <= block.window_size:
-        return int(min(grid)), 0
+        return as_size(min(grid)), 0
     return int(block.window_size), int(block.shift_size)
 
 
@@ -77,7 +77,7 @@ class SwinLayerWindowHook(WindowCallOwner):
     def __call__(self, block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         dims = args[1] if len(args) > 1 else kwargs["input_dimensions"]
         always_partition = args[2] if len(args) > 2 else kwargs.get("always_partition", False)
-        grid = (int(dims[0]), int(dims[1]))
+        grid = (as_size(dims[0]), as_size(dims[1]))
         if always_partition:
             window, shift = int(block.window_size), int(block.shift_size)
         else:
@@ -98,8 +98,8 @@ class RecordingClamp:
 
     def __call__(self, input_resolution: tuple[int, int]) -> None:
         type(self.block).set_shift_and_window_size(self.block, input_resolution)
-        grid = (int(input_resolution[0]), int(input_resolution[1]))
-        window, shift = int(self.block.window_size), int(self.block.shift_size)
+        grid = (as_size(input_resolution[0]), as_size(input_resolution[1]))
+        window, shift = as_size(self.block.window_size), as_size(self.block.shift_size)
         open_window_call(self.hook, PaddedShiftWindowCall(grid, (window, window), (shift, shift)))
 
 
@@ -111,8 +111,9 @@ class RecordingPad:
         self.block, self.hook = block, hook
 
     def __call__(self, hidden_states: torch.Tensor, height: int, width: int):
-        window, shift = int(self.block.window_size), int(self.block.shift_size)
-        open_window_call(self.hook, PaddedShiftWindowCall((int(height), int(width)), (window, window), (shift, shift)))
+        window, shift = as_size(self.block.window_size), as_size(self.block.shift_size)
+        grid = (as_size(height), as_size(width))
+        open_window_call(self.hook, PaddedShiftWindowCall(grid, (window, window), (shift, shift)))
         return type(self.block).maybe_pad(self.block, hidden_states, height, width)
 
 

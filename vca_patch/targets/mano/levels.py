@@ -78,7 +78,7 @@ def plan_levels(
                 )
             H, W = -(-H // rate), -(-W // rate)
         kh, kw = min(window, H), min(window, W)
-        padded = (math.ceil(H / kh) * kh, math.ceil(W / kw) * kw)
+        padded = (-(-H // kh) * kh, -(-W // kw) * kw)  # integer ceil: traced sizes stay SymInts (export)
         if not pad and padded != (H, W):
             raise ValueError(
                 f"level {index} grid {H}x{W} is not divisible by window {window}; enable padding (pad=True) "

@@ -148,7 +148,8 @@ class MergingForward:
             state.source = positions.gather(1, state.source)
             x = merged
         x = x + part(family.drop2)(part(family.ls2)(part(family.mlp)(part(family.norm2)(x))))
-        state.kept.append(int(x.shape[1]))
+        if not torch.compiler.is_compiling():  # a report; int() of a traced size would pin the token count
+            state.kept.append(int(x.shape[1]))
         if self.last and state.source is not None:
             x = residual_unmerge(x, state.steps) if self.residual else unmerge(x, state.source)
             state.size = state.source = None

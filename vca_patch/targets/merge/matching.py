@@ -112,7 +112,13 @@ def bipartite_soft_matching(metric: torch.Tensor, r: int, prefix: int) -> TokenM
         raise ValueError(f"prefix {prefix} does not fit {num_tokens} tokens")
     device = metric.device
     num_a, num_b = (num_tokens - prefix + 1) // 2, (num_tokens - prefix) // 2  # A: even offsets, B: odd
-    r = max(0, min(int(r), num_a if num_b else 0))  # every A token may merge, but only into a B token
+    if isinstance(num_b, torch.SymInt) and 0 < int(r) <= num_b:  # traced with symbolic sizes (export, compile)
+        # the sample merges all r tokens: keep r a constant and require as many B tokens (a runtime check of the
+        # input size) rather than pin the token count to the sample's by a branch on it
+        r = int(r)
+        torch._check(num_b >= r)
+    else:
+        r = max(0, min(int(r), num_a if num_b else 0))  # every A token may merge, but only into a B token
     if r == 0:
         empty = torch.empty(batch, 0, dtype=torch.long, device=device)
         kept = torch.arange(num_a, device=device).expand(batch, -1)

@@ -276,7 +276,8 @@ class VisualContrastAttention(CarriedAttentionLayer):
         pooled = self.pooled_queries(x, q, layout).unsqueeze(1)  # [B, 1, n, C]
         embed = torch.cat([self.contrast_embed_pos, self.contrast_embed_neg])  # [2, n, C]
         tokens = pooled + embed.to(pooled.dtype)  # one add for both streams: [B, 2, n, C]
-        return tokens.view(B, 2 * n, self.num_heads, self.head_dim).transpose(1, 2)
+        # reshape, not view: exporters' decompositions may give the add a pooled operand's (channels-last) strides
+        return tokens.reshape(B, 2 * n, self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward_tokens(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """x: [B, N, dim] with N = prefix + H·W tokens -> [B, N, dim_out]: the fused CPU kernel for float32
@@ -286,7 +287,10 @@ class VisualContrastAttention(CarriedAttentionLayer):
         if not torch.compiler.is_compiling() and self._fused_kernel_usable(x):
             if torch.is_autocast_enabled("cpu"):  # the kernel is float32: it runs so, like an autocast fp32 op
                 with torch.autocast("cpu", enabled=False):
-                    return self.attend_fused(x.float(), layout)
+                    y = self.attend_fused(x.float(), layout)
+                # returned in autocast's dtype, as the composite path (ending in the projection) and a compiled
+                # model return it: eager and compiled give the same dtype downstream
+                return y.to(torch.get_autocast_dtype("cpu"))
             return self.attend_fused(x, layout)
         q, k, v = self.project_qkv(x)  # [B, M, N, d] each
         trains = q.requires_grad or v.requires_grad or self.contrast_embed_pos.requires_grad  # frozen backbone too
