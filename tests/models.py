@@ -6,7 +6,18 @@ import timm
 import torch
 from torch import nn
 
+from vca_patch import DIDBConfig, MANOConfig, MergeConfig, VCAConfig
+
 TINY = {"depth": 2, "img_size": 64}
+
+# One config of each single-grid target (VCA with and without its local term): the deployment matrices' rows.
+TARGET_CONFIGS = {
+    "vca": lambda: VCAConfig(),
+    "vca_local3": lambda: VCAConfig(local_window=3),
+    "mano": lambda: MANOConfig(),
+    "merge": lambda: MergeConfig(r=2),
+    "didb": lambda: DIDBConfig(),
+}
 
 
 def tiny(name: str = "deit_tiny_patch16_224", **kwargs) -> tuple[nn.Module, dict]:

@@ -10,19 +10,12 @@ import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from vca_patch import DIDBConfig, MANOConfig, MergeConfig, VCAConfig, patch_model
+from tests.models import TARGET_CONFIGS
+from vca_patch import MANOConfig, VCAConfig, patch_model
 
 # compiled vs eager in float32: measured max abs error ~1e-6 on these tiny models (inductor reorders reductions)
 ATOL = 2e-5
 RTOL = 1e-4
-
-TARGETS = {
-    "vca": lambda: VCAConfig(),
-    "vca_local3": lambda: VCAConfig(local_window=3),
-    "mano": lambda: MANOConfig(),
-    "merge": lambda: MergeConfig(r=2),
-    "didb": lambda: DIDBConfig(),
-}
 
 
 def _randomise_new_parameters(model: torch.nn.Module, extra: tuple[str, ...] = ()) -> torch.nn.Module:
@@ -42,7 +35,7 @@ def _deit(target: str) -> tuple[torch.nn.Module, torch.nn.Module]:
         dynamic_img_size=True, drop_path_rate=0.0,
     )  # fmt: skip
     original = copy.deepcopy(model).eval()
-    patch_model(model, TARGETS[target]())
+    patch_model(model, TARGET_CONFIGS[target]())
     return original, _randomise_new_parameters(model).eval()
 
 

@@ -10,20 +10,14 @@ import torch
 from typer.testing import CliRunner
 
 import vca_patch
-from vca_patch import DIDBConfig, MANOConfig, MergeConfig, VCAConfig, patch_model
+from tests.models import TARGET_CONFIGS
+from vca_patch import patch_model
 from vca_patch.cli.app import app
 from vca_patch.export import ExportError, export_model
 
 # eager runs VCA's fused CPU kernel, the exported graph the composite path: measured max |error| <= 3e-7
 ATOL = 1e-5
 
-TARGETS = {
-    "vca": lambda: VCAConfig(),
-    "vca_local3": lambda: VCAConfig(local_window=3),
-    "mano": lambda: MANOConfig(),
-    "merge": lambda: MergeConfig(r=2),
-    "didb": lambda: DIDBConfig(),
-}
 TINY = {"depth": 2, "img_size": 32, "embed_dim": 48, "num_heads": 3, "drop_path_rate": 0.0}
 SIZES = [(32, 32), (48, 64), (64, 32)]  # the export size, then non-square grids
 MERGE_SIZES = [(64, 64), (48, 96), (96, 64)]  # merging 2 tokens a block needs >= 2 B tokens in the last block
@@ -33,7 +27,7 @@ def _deit(target: str, *, dynamic: bool = True) -> torch.nn.Module:
     model = timm.create_model(
         "deit_tiny_patch16_224", pretrained=False, dynamic_img_size=dynamic, **TINY, num_classes=10
     ).eval()
-    patch_model(model, TARGETS[target]())
+    patch_model(model, TARGET_CONFIGS[target]())
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():  # the new parameters off their (often preserving) init: the grid then matters
         for name, p in model.named_parameters():

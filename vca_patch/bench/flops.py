@@ -1,19 +1,8 @@
 """Analytic multiply-accumulate (MAC) counts of a ViT forward pass, per attention target.
 
-Counted in MACs (one multiply + one add); FLOPs = 2 × MACs. Per block with N tokens, C channels:
-
-    token-wise linear layers  Σ in·out·N        = 12·N·C² for qkv + proj + a 4× MLP
-    softmax attention         2·N²·C            (q·kᵀ and A·v)
-    VCA (SDPA form)           8·n·N·C + 9·H·W·C (Stage I 4nNC, Stage II 4nNC, depthwise 3×3 conv)
-                              + 2·P·N·C when prefix tokens read all N keys exactly
-                              + 2·H·W·(P + k²)·C with the k×k local term (neighbourhood attention)
-
-Norms, softmax exponentials, pooling and the head are ignored (O(N·C) or O(C²)). The paper's
-7·n·N·C counts Stage II's value product over n instead of the 2n stacked tokens that the single
-SDPA call uses (docs/vca.md §3.2, §4.1); `vca_attention_macs(..., sdpa=False)` gives that form.
-
-Each target registers its attention cost with `register_attention_macs(name)`; "softmax" is the
-original attention. A second target (e.g. "mano") adds one function in its own module.
+Per block with N tokens of C channels: the token-wise Linear layers, Σ in·out·N (12·N·C² for qkv + proj + a 4×
+MLP), plus the attention's count from the registry in `vca_patch.layers.macs` (each target registers its own);
+the patch embedding once per image. The head is ignored (O(C²)). FLOPs = 2 × MACs.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """The registry of analytic attention costs: one `fn(shape, config) -> MACs` per target name.
 
-Counted in MACs (one multiply + one add); FLOPs = 2 × MACs. Per block with N tokens, C channels:
-
-    token-wise linear layers  Σ in·out·N        = 12·N·C² for qkv + proj + a 4× MLP
-    softmax attention         2·N²·C            (q·kᵀ and A·v)
-    VCA (SDPA form)           8·n·N·C + 9·H·W·C (Stage I 4nNC, Stage II 4nNC, depthwise 3×3 conv)
-                              + 2·P·N·C when prefix tokens read all N keys exactly
-                              + 2·H·W·(P + k²)·C with the k×k local term (neighbourhood attention)
-
-Norms, softmax exponentials, pooling and the head are ignored (O(N·C) or O(C²)). The paper's
-7·n·N·C counts Stage II's value product over n instead of the 2n stacked tokens that the single
-SDPA call uses (docs/vca.md §3.2, §4.1); `vca_attention_macs(..., sdpa=False)` gives that form.
-
-Each target registers its attention cost with `register_attention_macs(name)`; "softmax" is the
-original attention. A second target (e.g. "mano") adds one function in its own module.
+Counted in MACs (one multiply + one add); FLOPs = 2 × MACs. "softmax" is the original attention, 2·N²·C for
+N tokens of C channels (q·kᵀ and A·v); norms, softmax exponentials and pooling are ignored (O(N·C)). Each target
+registers its own count from its package with `register_attention_macs(name)` (VCA: `targets/vca/macs.py`).
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ class TargetConfig:
     def cpu_kernel(cls) -> Any:
         """The target's compute kernel for reports and A/B runs, or None (default): an object with `available()`
         (builds it on first use, never raises), `status()` (one report line, no build), `use(enabled)` (context
-        manager forcing it off inside the block when False) and `disabled()` (= `use(False)`)."""
+        manager forcing it off inside the block when False)."""
         return None
 
     # ---- end of calibration and compute-kernel hooks ----

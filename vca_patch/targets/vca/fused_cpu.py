@@ -99,8 +99,6 @@ def use_kernel(enabled: bool) -> AbstractContextManager[None]:
 class CpuKernel:
     """The kernel as `VCAConfig.cpu_kernel()` hands it to shared code (bench, CLI): the functions above."""
 
-    name = "vca"
-
     def available(self) -> bool:
         return kernel_available()
 
@@ -109,9 +107,6 @@ class CpuKernel:
 
     def use(self, enabled: bool) -> AbstractContextManager[None]:
         return use_kernel(enabled)
-
-    def disabled(self) -> AbstractContextManager[None]:
-        return use_kernel(False)
 
 
 CPU_KERNEL = CpuKernel()

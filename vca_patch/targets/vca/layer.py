@@ -325,11 +325,9 @@ class VisualContrastAttention(CarriedAttentionLayer):
                 q_local = q if q_bias is None else q + q_bias
                 local = self._local_fused(self._heads(q_local), self._heads(k), self._heads(v), layout, v_bias)
             args = (self._heads(k), self._heads(v), P, H, W, q_bias, v_bias, *self.kernel_arguments())
-            if not torch.compiler.is_compiling():  # eager: o over q's buffer, the output in k's (both dead)
-                o = self._add_local(fused_cpu.attend_cpu_into_q(q, self._heads(q), *args), local, P)
-                return self.project_out(x, self.apply_token_gain(x, o, layout), into=k)
-            o = self._add_local(fused_cpu.attend_cpu(self._heads(q), *args), local, P)  # one functional op traced
-            return self.project_out(x, self.apply_token_gain(x, o, layout))
+            # eager only (traced calls take the composite path): o over q's buffer, the output in k's (both dead)
+            o = self._add_local(fused_cpu.attend_cpu_into_q(q, self._heads(q), *args), local, P)
+            return self.project_out(x, self.apply_token_gain(x, o, layout), into=k)
         q, k, v = self.project_qkv(x)
         q, k = self.q_norm(q), self.k_norm(k)
         local = self._local_fused(q, k, v, layout) if self.local_window else None
@@ -356,8 +354,6 @@ class VisualContrastAttention(CarriedAttentionLayer):
     def kernel_arguments(self) -> tuple:
         """The fused kernel's arguments after the biases (see the C++ source), rebuilt only when a parameter
         changes (in place or replaced): inference pays no op for λ, the scaled norm weights or the conv taps."""
-        if torch.compiler.is_compiling():  # traced once into the graph: no cache
-            return self._build_kernel_arguments()
         sources = (
             self.contrast_embed_pos, self.contrast_embed_neg, self.stage2_temperature, self.stage1_norm.weight,
             self.stage2_norm.weight, self.dwc.weight, self.dwc.bias, *self.lambda1.vectors(), *self.lambda2.vectors(),

@@ -1,4 +1,12 @@
-"""Analytic MACs of a VCA layer (docs/vca.md §3.2, §4.1), registered for `vca-patch bench` and the planner."""
+"""Analytic MACs of a VCA layer, registered for `vca-patch bench` and the planner.
+
+    VCA (SDPA form)   8·n·N·C + 9·H·W·C   (Stage I 4nNC, Stage II 4nNC, depthwise 3×3 conv)
+                      + 2·P·N·C when prefix tokens read all N keys exactly
+                      + 2·H·W·(P + k²)·C with the k×k local term (neighbourhood attention)
+
+The paper's 7·n·N·C counts Stage II's value product over n instead of the 2n stacked tokens that the single
+SDPA call uses (docs/vca.md §3.2, §4.1); `vca_attention_macs(..., sdpa=False)` gives that form.
+"""
 
 from __future__ import annotations
 
