@@ -39,7 +39,7 @@ def connections(monkeypatch):
 
 
 # Helper modules whose checks use plain `assert`: pytest rewrites them for readable failures.
-pytest.register_assert_rewrite("tests.helpers_hierarchical")
+pytest.register_assert_rewrite("tests.support.hierarchical")
 
 
 @pytest.fixture
@@ -53,11 +53,11 @@ def diffusers_loadable(monkeypatch):
 
 @pytest.fixture
 def hub(monkeypatch, tmp_path):
-    """A fake Hub on 127.0.0.1 (tests/test_hub_fakehub.py), huggingface_hub pointed at it online, fresh cache."""
-    from tests.test_hub_contract import _point_at
-    from tests.test_hub_fakehub import FakeHub
+    """A fake Hub on 127.0.0.1 (tests/support/fakehub.py), huggingface_hub pointed at it online, fresh cache."""
+    from tests.support.fakehub import FakeHub
+    from tests.support.hub import point_at
 
     fake = FakeHub().start()
-    _point_at(monkeypatch, fake.url, tmp_path / "hf-cache")
+    point_at(monkeypatch, fake.url, tmp_path / "hf-cache")
     yield fake
     fake.stop()
