@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-pytest.importorskip("diffusers", reason="diffusers is not installed (pip install 'vca-patch[diffusers]')")
+pytest.importorskip("diffusers", reason="diffusers is not installed (pip install -e '.[diffusers]')")
 
 from vca_patch import VCAConfig
 from vca_patch.bench import BenchError

@@ -114,7 +114,7 @@ def test_failed_write_leaves_the_old_checkpoint_and_no_debris(tmp_path, monkeypa
 
 
 def test_loading_a_folder_that_is_not_a_checkpoint_says_what_is_missing(tmp_path):
-    with pytest.raises(CheckpointError, match="not a folder"):
+    with pytest.raises(CheckpointError, match="nope: no such folder"):
         vca_patch.from_pretrained(tmp_path / "nope")
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match=r"missing model\.safetensors"):

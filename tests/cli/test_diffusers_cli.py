@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install 'vca-patch[diffusers]')")
+diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install -e '.[diffusers]')")
 
 import vca_patch  # noqa: E402
 from tests.support.diffusers_models import (  # noqa: E402

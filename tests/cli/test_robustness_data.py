@@ -51,6 +51,9 @@ def data(tmp_path_factory) -> dict[str, Path]:
     recipe.setdefault("train", {})["batch_size"] = 2
     (root / "bad_recipe.yaml").write_text(__import__("yaml").safe_dump(recipe))
     out["bad_recipe"] = root / "bad_recipe.yaml"
+    recipe["data"]["num_workers"] = 2
+    (root / "bad_recipe_workers.yaml").write_text(__import__("yaml").safe_dump(recipe))
+    out["bad_recipe_workers"] = root / "bad_recipe_workers.yaml"
     return out
 
 
@@ -63,6 +66,8 @@ CASES = [  # (id, args, inputs, exit code, needles)
      ["cannot read image", "1.jpg", "--skip-bad-images"]),
     ("finetune-corrupt-jpeg", ["finetune", "{ckpt}", "--recipe", "{bad_recipe}", "-o", "{out}", *CPU],
      ["ckpt", "bad", "bad_recipe"], 2, ["cannot read image", "1.jpg", "--skip-bad-images"]),
+    ("finetune-corrupt-jpeg-num-workers", ["finetune", "{ckpt}", "--recipe", "{bad_recipe_workers}", "-o", "{out}",
+     *CPU], ["ckpt", "bad", "bad_recipe_workers"], 2, ["error: cannot read image", "1.jpg", "--skip-bad-images"]),
 ]  # fmt: skip
 
 
@@ -208,3 +213,21 @@ def test_piped_training_progress_has_a_total_and_an_eta(capsys):
     progress.update("distill", 10, "loss 1.0", log=True)
     line = capsys.readouterr().err.strip()
     assert line.startswith("[distill] step 10/100, ETA 0:01:") and line.endswith("loss 1.0"), line
+
+
+def test_an_image_error_raised_in_a_dataloader_worker_is_one_line(data, capsys):
+    """torch re-raises a worker's DatasetError wrapped ("Caught DatasetError in DataLoader worker process 0 ...
+    Original Traceback ..."): the CLI's error boundary shows the original message alone."""
+    from torch.utils.data import DataLoader
+
+    from vca_patch.cli.errors import report
+    from vca_patch.data.errors import DatasetError
+    from vca_patch.data.imagefolder import load_imagefolder
+
+    dataset = load_imagefolder(data["bad"], "test", training=False, transform=lambda image: 0)
+    with pytest.raises(DatasetError) as caught:
+        list(DataLoader(dataset, batch_size=6, num_workers=2))
+    assert str(caught.value).startswith("Caught DatasetError in DataLoader worker process")  # what torch gives
+    assert report(caught.value) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and "1.jpg" in line and "--skip-bad-images" in line and "Caught" not in line

@@ -48,24 +48,23 @@ def _warning(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("warning:") and "contrast tokens" in line]
 
 
-def test_inspect_warns_when_the_contrast_tokens_exceed_the_grid():
-    result = runner.invoke(app, ["inspect", "deit_tiny_patch16_224", "--img-size", "64"])  # 4×4 grid, n = 49
+def test_the_default_contrast_tokens_shrink_to_a_small_grid_with_a_note():
+    result = runner.invoke(app, ["inspect", "deit_tiny_patch16_224", "--img-size", "64"])  # 4×4 grid, default n = 49
     assert result.exit_code == 0, result.output
-    (line,) = _warning(result.output)
-    assert "49 (7×7) contrast tokens do not fit deit_tiny_patch16_224's 4×4 patch grid" in line
-    assert "--contrast-tokens 16 (4×4) or fewer" in line
-    fits = runner.invoke(app, ["inspect", "deit_tiny_patch16_224", "--img-size", "64", "--contrast-tokens", "16"])
-    assert fits.exit_code == 0 and not _warning(fits.output), fits.output
+    assert "note: the default 49 contrast tokens do not fit the 4×4 patch grid; using 16" in result.output
+    assert "contrast_tokens=16" in result.output.replace(" ", "") and "contrast_tokens=49" not in result.output
 
 
-def test_convert_warns_with_the_grid_and_still_converts(tmp_path):
+def test_chosen_contrast_tokens_past_the_grid_are_refused_before_any_work(tmp_path):
     out = tmp_path / "out"
     args = ["convert", "deit_tiny_patch16_224", "--no-pretrained", "--img-size", "32", "--contrast-tokens", "9"]
     result = runner.invoke(app, [*args, "--device", "cpu", "--probe-size", "1", "-o", str(out)])
-    assert result.exit_code == 0, result.output
-    (line,) = _warning(result.output)
-    assert "2×2 patch grid" in line and "--contrast-tokens 4 (2×2)" in line
-    assert (out / "model.safetensors").is_file()
+    assert result.exit_code == 2, result.output
+    (line,) = [x for x in result.output.splitlines() if x.startswith("error:")]
+    assert "--contrast-tokens 9 is more than the 2×2 patch grid's 4 patches; pass --contrast-tokens 4 (2×2)" in line
+    assert not out.exists()
+    fits = runner.invoke(app, ["inspect", "deit_tiny_patch16_224", "--img-size", "64", "--contrast-tokens", "16"])
+    assert fits.exit_code == 0 and "note:" not in fits.output, fits.output
 
 
 # --- ImageFolder layouts --------------------------------------------------------------------------------------

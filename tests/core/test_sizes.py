@@ -83,9 +83,12 @@ def test_image_sizes_in_bounds_pass():
 
 def test_contrast_tokens_fit_the_patch_grid():
     check_contrast_tokens(196, (14, 14))
-    check_contrast_tokens(784, (14, 14))  # past the grid: the CLI warns (the tokens repeat patches)
-    with pytest.raises(SizeError, match=r"785 is more than 4× the 14×14 patch grid's 196 patches; pass 196"):
-        check_contrast_tokens(785, (14, 14))
+    with pytest.raises(
+        SizeError, match=r"197 is more than the 14×14 patch grid.s 196 patches; pass --contrast-tokens 196 "
+    ):
+        check_contrast_tokens(197, (14, 14))
+    with pytest.raises(SizeError, match=r"the 4×6 patch grid's 24 patches; pass --contrast-tokens 16 \(4×4\)"):
+        check_contrast_tokens(25, (4, 6))
 
 
 def test_config_sizes_have_sane_bounds():

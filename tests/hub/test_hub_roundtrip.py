@@ -283,9 +283,16 @@ def test_checkpoint_from_a_newer_vca_patch_names_the_version_needed(tmp_path):
 
 
 def test_a_missing_path_or_invalid_repo_id_is_named(tmp_path):
-    with pytest.raises(CheckpointError, match="is not a folder"):
+    with pytest.raises(CheckpointError, match="nope: no such folder"):
         vca_patch.from_pretrained(str(tmp_path / "nope"))
-    with pytest.raises(InvalidRepoIdError, match=r"not a valid Hub repo id.*no local folder"):
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(CheckpointError, match=r"file\.txt is a file; a checkpoint is the folder"):
+        vca_patch.from_pretrained(tmp_path / "file.txt")
+    with pytest.raises(HubUnavailableError, match="no local folder acme/missing, and as a Hub repo id"):
+        vca_patch.from_pretrained("acme/missing")  # offline in the tests
+    with pytest.raises(
+        InvalidRepoIdError, match=r"no local folder acme/bad--name, and as a Hub repo id: .* not a valid Hub repo id"
+    ):
         vca_patch.from_pretrained("acme/bad--name")
     with pytest.raises(ValueError, match="revision='v1' applies to Hub repos"):
         vca_patch.from_pretrained(tmp_path, revision="v1")

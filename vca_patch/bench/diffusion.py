@@ -25,6 +25,7 @@ from vca_patch.bench.kernels import cpu_kernel_status, use_cpu_kernels
 from vca_patch.bench.memory import peak_mib
 from vca_patch.bench.sweep import DTYPES
 from vca_patch.bench.timing import median, time_interleaved
+from vca_patch.core.install import install_hint
 from vca_patch.surgery import patch_model
 from vca_patch.targets.base import TargetConfig
 
@@ -67,7 +68,7 @@ def build_dit(shape: DiTShape, depth: int | None = None, seed: int = 0) -> nn.Mo
     try:
         import diffusers
     except ImportError as exc:
-        raise BenchError("diffusion benchmarks need diffusers: pip install 'vca-patch[diffusers]'") from exc
+        raise BenchError(f"diffusion benchmarks need diffusers: {install_hint('diffusers')}") from exc
     torch.manual_seed(seed)
     return diffusers.DiTTransformer2DModel(
         num_attention_heads=shape.heads, attention_head_dim=shape.head_dim, in_channels=shape.in_channels,

@@ -9,6 +9,7 @@ from typing import Any
 from rich.table import Table
 
 from vca_patch.core.atomic import atomic_file, atomic_write_text
+from vca_patch.core.install import install_hint
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -111,9 +112,7 @@ def write_plot(result: dict[str, Any], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise PlotUnavailableError(
-            "--plot needs matplotlib: pip install 'vca-patch[bench]' (or pip install matplotlib)"
-        ) from exc
+        raise PlotUnavailableError(f"--plot needs matplotlib: {install_hint('bench')}") from exc
     panels = [("latency_ms", "latency (ms)"), ("memory_infer_mib", "inference memory (MiB)")]
     if any(r["memory_train_mib"] is not None for r in result["results"]):
         panels.append(("memory_train_mib", "training-step memory (MiB)"))

@@ -231,8 +231,10 @@ def check_checkpoint_config(meta: Any, where: str) -> dict[str, Any]:
 def read_checkpoint_config(directory: Path) -> dict[str, Any]:
     """config.json of a checkpoint folder, checked for completeness and version."""
     directory = Path(directory)
+    if not directory.exists():
+        raise CheckpointError(f"{directory}: no such folder (a checkpoint is a folder that save_pretrained wrote)")
     if not directory.is_dir():
-        raise CheckpointError(f"{directory} is not a folder")
+        raise CheckpointError(f"{directory} is a file; a checkpoint is the folder that save_pretrained wrote")
     meta: Any = None
     if (directory / CONFIG_NAME).is_file():
         try:

@@ -10,6 +10,7 @@ import typer
 
 from vca_patch.cli.bench_timing import BenchTiming
 from vca_patch.cli.common import DEVICE_HELP, console, fail, parse_layers, prepare_cpu_kernel, resolve_device
+from vca_patch.core.install import install_hint
 from vca_patch.core.paths import check_output
 from vca_patch.core.sizes import MAX_DEPTH, MAX_IMG_SIZE, activation_bytes, check_bound, check_memory
 from vca_patch.targets.base import CONFIG_TYPES, TargetConfig
@@ -123,7 +124,7 @@ def bench(
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            fail("--plot needs matplotlib: pip install 'vca-patch[bench]'", 2)
+            fail(f"--plot needs matplotlib: {install_hint('bench')}", 2)
     try:
         settings = BenchSettings(
             resolutions=_parse_ints(resolutions, "--resolutions"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from vca_patch.surgery import PatchReport
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEVICE_HELP = "auto (cuda if available, else cpu), cpu, cuda or cuda:N"
@@ -200,26 +199,32 @@ def load_base(name: str, *, pretrained: bool, weights: Path | None, img_size: in
     return net
 
 
-def warn_contrast_grid(report: PatchReport, model: str) -> None:
-    """Warn when a VCA layer pools more contrast tokens than its model's patch grid has (they would repeat patches,
-    not summarise them, and cost more than they save); names the grid and the largest n that fits it."""
-    layout = report.layout
-    if layout is None:  # hierarchical models: each stage has its own grid (and its own default n)
-        return
+def fit_default_contrast_tokens(net: nn.Module, config: Any) -> Any:
+    """`config` with its default contrast-token count shrunk to the largest square the model's patch grid holds (a
+    small --img-size), said in one line. Any other value is the user's: `check_model_sizes` refuses it past the grid."""
+    if not dataclasses.is_dataclass(config):
+        return config
+    default = {f.name: f.default for f in dataclasses.fields(config)}.get("contrast_tokens")
+    if default is None or getattr(config, "contrast_tokens", None) != default:
+        return config
+    from vca_patch.surgery import inspect_model
+
+    try:
+        layout = inspect_model(net).layout
+    except ValueError:  # not a model these checks can read: the conversion's own checks say why
+        return config
+    if layout is None:  # hierarchical: one grid per stage, each with its own default
+        return config
     height, width = layout.grid
-    sizes = {s.settings["contrast_tokens"] for s in report.patched if "contrast_tokens" in s.settings}
-    too_big = sorted(n for n in sizes if math.isqrt(n) > min(height, width))
-    if not too_big:
-        return
     side = min(height, width)
-    shown = ", ".join(f"{n} ({math.isqrt(n)}×{math.isqrt(n)})" for n in too_big)
+    if side < 1 or side * side >= default:  # less than a patch: check_model_sizes refuses the size
+        return config
     err_console.print(
-        f"[bold yellow]warning:[/] {shown} contrast tokens do not fit {model}'s {height}×{width} patch grid: "
-        f"the extra tokens repeat patches instead of pooling them. Pass --contrast-tokens {side * side} "
-        f"({side}×{side}) or fewer, or a larger --img-size.",
+        f"note: the default {default} contrast tokens do not fit the {height}×{width} patch grid; using {side * side}",
         highlight=False,
         soft_wrap=True,
     )
+    return dataclasses.replace(config, contrast_tokens=side * side)
 
 
 def refuse_checkpoint_input(model: str) -> None:

@@ -18,13 +18,13 @@ from vca_patch.cli.common import (
     console,
     err_console,
     fail,
+    fit_default_contrast_tokens,
     load_base,
     parse_layers,
     prepare_cpu_kernel,
     refuse_checkpoint_input,
     resolve_device,
     resolve_dtype,
-    warn_contrast_grid,
 )
 from vca_patch.cli.errors import hold
 from vca_patch.cli.fidelity import (
@@ -136,6 +136,7 @@ def convert(**options: Any) -> None:
     config = _checked_config(args, target_values)
     _check_inputs(args)
     net, base_weights = _build_base(args)
+    config = fit_default_contrast_tokens(net, config)
     _check_sizes(args, net, config)
     _patch_measure_save(args, net, config, base_weights)
 
@@ -252,7 +253,6 @@ def _patch_measure_save(args: ConvertArgs, net: torch.nn.Module, config: TargetC
         reference = run(net, probe)
         report = patch_model(net, config, strict=args.strict)
         metrics = compare_outputs(reference, run(net, probe))
-    warn_contrast_grid(report, args.model)
     if diffusion:
         fidelity_summary = dfp.fidelity_summary(dfp.attention_errors(net, probe), metrics)
         measured_on = f"{args.probe_size} random denoising inputs"

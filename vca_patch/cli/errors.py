@@ -138,6 +138,16 @@ def _line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
+def _worker_message(text: str) -> str:
+    """The original message of an error that a DataLoader worker raised: torch re-raises it in the main process with
+    the same type and "Caught X in DataLoader worker process N. Original Traceback ... X: message" as its text."""
+    if not text.startswith("Caught ") or "Original Traceback" not in text:
+        return text
+    last = text.rstrip().splitlines()[-1]
+    name, sep, message = last.partition(": ")
+    return message.strip() if sep and " " not in name else text
+
+
 def report(exc: BaseException) -> int:
     """Print one line for `exc` on stderr (the stack first with --debug) and return its exit code."""
     from vca_patch.cli.common import err_console
@@ -149,7 +159,7 @@ def report(exc: BaseException) -> int:
         message = str(exc).strip() or "interrupted (Ctrl-C)"
         err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     elif code is not None:
-        message = str(exc).strip() or type(exc).__name__
+        message = _worker_message(str(exc).strip()) or type(exc).__name__
         err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     else:
         code = 1

@@ -10,7 +10,16 @@ class PatchError(ValueError):
 
 
 class NothingToPatchError(PatchError):
-    """The model has no attention module that can be converted."""
+    """The model has no attention module that can be converted; nothing was changed.
+
+    `skipped` lists every candidate the adapter found, each with why it was skipped (empty when no adapter knows the
+    model, e.g. a CNN): raised rather than returning an empty report, so that a model that was not converted is never
+    mistaken for one that was.
+    """
+
+    def __init__(self, message: str, skipped: list | None = None) -> None:
+        super().__init__(message)
+        self.skipped = list(skipped or [])
 
 
 class UnsafeConfigError(ValueError):

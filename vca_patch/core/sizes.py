@@ -20,7 +20,6 @@ MAX_IMG_SIZE = 16384  # pixels a side: --img-size, bench resolutions, config.jso
 MAX_DEPTH = 256  # blocks
 MAX_WIDTH = 16384  # embedding width (embed_dim / hidden_size)
 MAX_HEADS = 1024
-CONTRAST_TOKENS_PER_PATCH = 4  # contrast tokens past the patch grid: warned up to 4× its patches, refused beyond
 TENSORS_PER_BLOCK = 4  # activations of width `width` each token keeps per block (estimate)
 
 
@@ -111,15 +110,15 @@ def check_image_size(
 
 
 def check_contrast_tokens(n: int, grid: tuple[int, int], option: str = "--contrast-tokens") -> None:
-    """Contrast tokens pool the patch grid: more than it has patches repeat patches (the CLI warns); more than
-    CONTRAST_TOKENS_PER_PATCH times its patches (a side more than twice the grid's) is refused."""
+    """Contrast tokens pool the patch grid: more tokens than it has patches would repeat patches instead of
+    summarising them (and cost more than they save), so they are refused, naming the largest square that fits."""
     height, width = grid
     patches = height * width
-    if n > CONTRAST_TOKENS_PER_PATCH * patches:
+    if n > patches:
         side = min(height, width)
         raise SizeError(
-            f"{option} {n} is more than {CONTRAST_TOKENS_PER_PATCH}× the {height}×{width} patch grid's {patches} "
-            f"patches; pass {side * side} ({side}×{side}) or fewer, or a larger --img-size"
+            f"{option} {n} is more than the {height}×{width} patch grid's {patches} patches; pass {option} "
+            f"{side * side} ({side}×{side}) or fewer, or a larger --img-size"
         )
 
 

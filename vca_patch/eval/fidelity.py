@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vca_patch.core.atomic import atomic_file
+from vca_patch.core.install import install_hint
 from vca_patch.core.model_io import (  # noqa: F401  (re-exported for callers of eval.fidelity)
     compare_outputs,
     features_and_logits,
@@ -70,14 +71,14 @@ class FidelityReport:
         return {k: v for k, v in out.items() if v is not None}
 
     def plot(self, path: str | Path) -> Path:
-        """Write a PNG of the per-layer errors (needs matplotlib: pip install 'vca-patch[plot]')."""
+        """Write a PNG of the per-layer errors (needs matplotlib, vca-patch's plot extra)."""
         try:
             import matplotlib
 
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise ImportError("plotting needs matplotlib: pip install 'vca-patch[plot]'") from exc
+            raise ImportError(f"plotting needs matplotlib: {install_hint('plot')}") from exc
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
         xs = list(range(len(self.layers)))
         ax.plot(xs, self.layer_error, "o-", label="teacher-forced")

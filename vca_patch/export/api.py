@@ -18,6 +18,7 @@ from torch import nn
 from vca_patch.checkpoint.folder import from_pretrained
 from vca_patch.core.atomic import atomic_file
 from vca_patch.core.errors import ConfigError
+from vca_patch.core.install import install_hint
 from vca_patch.core.model_io import model_input_size, output_tensor
 
 FORMATS = ("pt2", "onnx")
@@ -158,7 +159,7 @@ def _onnx(
         import onnxruntime
         import onnxscript  # noqa: F401  (torch's dynamo exporter needs it)
     except ImportError as exc:
-        raise ExportError(f"ONNX export needs {exc.name}: pip install 'vca-patch[export]'") from None
+        raise ExportError(f"ONNX export needs {exc.name}: {install_hint('export')}") from None
     kwargs = {} if opset is None else {"opset_version": opset}
     program = torch.onnx.export(
         wrapped, (example,), dynamo=True, dynamic_shapes=shapes, input_names=["pixel_values"],

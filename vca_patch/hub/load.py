@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from vca_patch.checkpoint import folder as checkpoint
-from vca_patch.hub.errors import InvalidRepoIdError, RepoNotFoundError
+from vca_patch.hub.errors import HubUnavailableError, InvalidRepoIdError, RepoNotFoundError
 from vca_patch.hub.resolve import fetch_checkpoint, is_local
 
 
@@ -42,8 +42,8 @@ def from_pretrained(
         return checkpoint.from_pretrained(Path(repo_id_or_dir).expanduser(), device=device, **base)
     try:
         folder, _ = fetch_checkpoint(str(repo_id_or_dir), revision, cache_dir=cache_dir, token=token)
-    except (InvalidRepoIdError, RepoNotFoundError) as exc:
-        raise type(exc)(f"{exc} (and there is no local folder {repo_id_or_dir})") from None
+    except (InvalidRepoIdError, RepoNotFoundError, HubUnavailableError) as exc:
+        raise type(exc)(f"no local folder {repo_id_or_dir}, and as a Hub repo id: {exc}") from None
     except checkpoint.CheckpointError:  # not a vca-patch config.json: a LLaVA-SP repo (spatial_tokens.json)?
         if base_weights is not None or base_state_dict is not None:
             raise

@@ -147,7 +147,9 @@ def _plan(model: nn.Module, config: TargetConfig, strict: bool):
             sites.append(site)
     if not sites:
         listed = "; ".join(f"{s.path} [{s.class_name}]: {s.reason}" for s in skipped) or "none found"
-        raise NothingToPatchError(f"{type(model).__name__} has no attention module that can be converted ({listed})")
+        raise NothingToPatchError(
+            f"{type(model).__name__} has no attention module that can be converted ({listed})", skipped
+        )
     chosen, unselected = _select(sites, config)
     params_before = _count_params(model)
     replacements: dict[str, nn.Module] = {}
@@ -171,7 +173,7 @@ def _plan(model: nn.Module, config: TargetConfig, strict: bool):
                 )
     if not built:
         listed = "; ".join(f"{s.path}: {s.reason}" for s in unselected)
-        raise NothingToPatchError(f"no replacement could be built ({listed})")
+        raise NothingToPatchError(f"no replacement could be built ({listed})", skipped + unselected)
     if strict:  # after the build: a layer may add what it approximates (e.g. Swin's global mode) to the notes
         refused = [f"{s.path}: {'; '.join(s.notes) or 'not verified'}" for s in built if s.notes or not s.verified]
         if refused:

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install 'vca-patch[diffusers]')")
+diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install -e '.[diffusers]')")
 
 from diffusers.models.attention_processor import AttnProcessor2_0  # noqa: E402
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install 'vca-patch[diffusers]')")
+diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install -e '.[diffusers]')")
 
 from diffusers.models.attention_processor import JointAttnProcessor2_0  # noqa: E402
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install 'vca-patch[diffusers]')")
+diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install -e '.[diffusers]')")
 
 from tests.support.diffusers_models import (  # noqa: E402
     flux_call,

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install 'vca-patch[diffusers]')")
+diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install -e '.[diffusers]')")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402

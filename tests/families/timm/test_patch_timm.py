@@ -175,8 +175,23 @@ def test_nothing_to_patch_is_a_clear_error():
     with pytest.raises(NothingToPatchError, match="no adapter knows"):
         patch_model(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     cnn = timm.create_model("resnet18", pretrained=False)
-    with pytest.raises(NothingToPatchError, match="ResNet"):
+    before = {k: v.clone() for k, v in cnn.state_dict().items()}
+    with pytest.raises(NothingToPatchError, match="ResNet") as caught:
         patch_model(cnn)
+    assert caught.value.skipped == []  # no adapter: no candidate
+    assert all(torch.equal(v, before[k]) for k, v in cnn.state_dict().items())  # unchanged
+
+
+def test_nothing_to_patch_carries_every_skipped_candidate():
+    """A model whose every attention fails verification: the error lists each one, in its message and `skipped`."""
+    model, _ = tiny("vit_base_patch16_224", embed_dim=64, num_heads=2)
+    for block in model.blocks:  # attention that is no longer softmax attention of its q/k/v: verification fails
+        forward = block.attn.forward
+        block.attn.forward = lambda x, *a, forward=forward, **k: 1.1 * forward(x, *a, **k)
+    with pytest.raises(NothingToPatchError) as caught:
+        patch_model(model, VCAConfig(contrast_tokens=4))
+    assert [s.path for s in caught.value.skipped] == ["blocks.0.attn", "blocks.1.attn"]
+    assert all("verification failed" in s.reason and s.path in str(caught.value) for s in caught.value.skipped)
 
 
 def test_attention_pool_head_is_skipped_with_reason():

@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from vca_patch.core.hub_access import HubUnavailableError, UnknownModelError, hub_offline_reason, is_hub_id
+from vca_patch.core.install import install_hint
 from vca_patch.core.weights import load_state_dict_checked, read_state_dict
 
 TRANSFORMER = "transformer"  # the subfolder of a diffusers pipeline that holds the denoising transformer
@@ -132,7 +133,7 @@ def load_diffusers_transformer(name: str, *, pretrained: bool = True, weights: P
         import diffusers
     except ImportError:
         raise UnknownModelError(
-            f"{name} is a diffusers model; install diffusers with pip install 'vca-patch[diffusers]'"
+            f"{name} is a diffusers model; install diffusers with {install_hint('diffusers')}"
         ) from None
     local = local_transformer_folder(name)
     if local is not None:

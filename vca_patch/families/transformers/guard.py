@@ -10,6 +10,7 @@ from typing import Any
 from vca_patch.core.config_checks import PATH_KEY, unsafe
 from vca_patch.core.errors import UnsafeConfigError
 from vca_patch.core.hub_access import is_hub_id
+from vca_patch.core.install import install_hint
 from vca_patch.core.sizes import SizeError, config_size_problem
 
 # transformers config keys that make transformers load code, kernels, quantizers or other checkpoints.
@@ -36,7 +37,7 @@ def transformers_model_class(name: Any, where: str, field: str = "base.architect
         import transformers
     except ImportError:
         raise UnsafeConfigError(
-            f"{where}: {field} names a transformers model; install it with pip install 'vca-patch[hf]'"
+            f"{where}: {field} names a transformers model; install it with {install_hint('hf')}"
         ) from None
     allowed = "expected the class name of a transformers model (a PreTrainedModel subclass, e.g. 'ViTModel')"
     if not isinstance(name, str) or not _CLASS_NAME.fullmatch(name):

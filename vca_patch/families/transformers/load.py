@@ -9,6 +9,7 @@ from torch import nn
 
 from vca_patch.core.errors import UnsafeConfigError
 from vca_patch.core.hub_access import HubUnavailableError, UnknownModelError, hub_offline_reason, offline_error
+from vca_patch.core.install import install_hint
 from vca_patch.core.weights import load_state_dict_checked, read_state_dict
 from vca_patch.families.transformers.guard import transformers_model_class
 
@@ -30,7 +31,7 @@ def load_transformers_model(name: str, *, pretrained: bool = True, weights: Path
         import transformers
     except ImportError:
         raise UnknownModelError(
-            f"{name} looks like a Hugging Face transformers model; install it with pip install 'vca-patch[hf]'"
+            f"{name} looks like a Hugging Face transformers model; install it with {install_hint('hf')}"
         ) from None
     reason = None if Path(name).is_dir() else hub_offline_reason()
     try:

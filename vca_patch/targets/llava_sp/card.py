@@ -94,7 +94,7 @@ convolutions (view sides {meta["view_sizes"]}){detail}: **+{meta["parameters"]:,
 Load the full model with
 
 ```python
-# pip install 'vca-patch[llava-sp]'
+# needs vca-patch (from its clone: pip install -e '.[llava-sp]')
 import vca_patch
 from transformers import AutoProcessor
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from vca_patch.core.errors import PatchError
+from vca_patch.core.install import install_hint
 from vca_patch.targets.llava_sp.config import SpatialTokensConfig
 from vca_patch.targets.llava_sp.layer import CroppingSpatialTokens, PoolingSpatialTokens
 from vca_patch.targets.llava_sp.projector import SpatialTokenProjector
@@ -53,7 +54,7 @@ def _llava_core(model: nn.Module) -> nn.Module:
     try:
         from transformers.models.llava.modeling_llava import LlavaModel
     except ImportError:
-        raise SpatialTokensError("spatial tokens need transformers: pip install 'vca-patch[hf]'") from None
+        raise SpatialTokensError(f"spatial tokens need transformers: {install_hint('hf')}") from None
     for module in model.modules():
         if isinstance(module, LlavaModel):
             return module
