@@ -1,4 +1,4 @@
-"""The GPU check: one command that tells whether VCA is right and fast on a CUDA GPU, in under 6 minutes.
+"""The GPU check: one command that tells whether VCA is right and fast on a CUDA GPU (each section under 6 minutes).
 
     python benchmarks/gpu_check.py                  # a CUDA machine (H100/H200): benchmarks/results/gpu_check.json
     python benchmarks/gpu_check.py --output $OUT/gpu_check.json --budget 330
@@ -17,6 +17,14 @@ Sections (each runs in its own process under a time cap; one that fails or runs 
   timing         original (timm's fused SDPA) / VCA eager / VCA torch.compile at 224, 512, 1024, 2048 px, 2-block
                  DeiT-S, batch 64 to 4, bf16 autocast: CUDA events, warm-up, median of >= 20 runs, peak memory.
 
+  deploy         DINOv2-S shapes (2 blocks, random weights): the original (timm's fused SDPA) vs VCA, VCA + local
+                 term (k = 11) and MANO, eager / torch.compile(dynamic=True) / the same with CUDA graphs
+                 ("reduce-overhead"), bf16 autocast, 224 / 518 / 1036 / 2048 px: median ms, peak memory, the
+                 converted/original ratios (both compiled the same way) and the token count where each converted
+                 model overtakes the original; graph breaks (torch._dynamo.explain), the attention kernels each
+                 launches, and the exported ONNX model in onnxruntime's CUDA provider when installed.
+                 `--sections deploy` runs it alone in about 5 minutes.
+
 Models have random weights (the GPU machine has no network). The JSON holds `meta` (versions, GPU) and one entry
 per section: status ("ok", "failed", "timeout", "skipped"), seconds, cap_s, error, and the section's numbers.
 Exit status 0 when every section is ok, 1 otherwise; 2 without a CUDA GPU (unless --dry-run-cpu).
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import math
 import os
@@ -42,9 +51,10 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
-SECTIONS = ("bf16_fidelity", "recipe", "profile", "timing")
-CAPS_S = {"bf16_fidelity": 45, "recipe": 90, "profile": 45, "timing": 150}  # sum 330 s: under 6 min with start-up
-DEFAULT_BUDGET_S = 330.0
+SECTIONS = ("bf16_fidelity", "recipe", "profile", "timing", "deploy")
+# caps sum to 600 s for every section; `--sections deploy --budget 300` is the 5-minute deployment check
+CAPS_S = {"bf16_fidelity": 45, "recipe": 90, "profile": 45, "timing": 120, "deploy": 300}
+DEFAULT_BUDGET_S = 600.0
 BF16_TOLERANCE = 2e-2  # relative output error of bf16 VCA against float64 (docs/gpu.md §7)
 
 
@@ -72,6 +82,12 @@ class Plan:
     compile_backend: str = "inductor"
     compile_reserve_s: float = 40.0  # skip a compile with less time than this left
     mixed_precision: str = "bf16"
+    # deploy: DINOv2-S shapes (width 384, 6 heads, patch 14) at `deploy_depth` blocks, random weights
+    deploy_model: str = "vit_small_patch14_dinov2"
+    deploy_depth: int = 2
+    deploy_px: dict[int, int] = field(default_factory=lambda: {224: 32, 518: 8, 1036: 2, 2048: 2})  # px -> batch
+    deploy_modes: tuple[str, ...] = ("eager", "compile", "cudagraphs")
+    deploy_compiled: tuple[str, ...] = ("original", "vca", "vca_local11")  # MANO: eager only (compile time)
 
 
 def dry_run_plan() -> Plan:
@@ -82,6 +98,7 @@ def dry_run_plan() -> Plan:
         recipe_model_args=tiny, recipe_px=64, recipe_batch=4, recipe_steps=2, recipe_images=16, recipe_eval_images=4,
         bench_depth=1, profile_px={64: 1}, timing_px={48: 1, 64: 1},
         warmup=1, repeats=3, compile_backend="eager", compile_reserve_s=5.0, mixed_precision="no",
+        deploy_px={28: 2, 42: 2}, deploy_compiled=("original", "vca"),
     )  # fmt: skip
 
 
@@ -406,11 +423,206 @@ def section_timing(rec: Recorder, plan: Plan) -> None:
         del compiled
 
 
+DEPLOY_CONFIGS = {"vca": {}, "vca_local11": {"local_window": 11}}
+
+
+def _deploy_variants(plan: Plan) -> list[tuple[str, Any]]:
+    """[(name, model)]: the original (timm's fused SDPA) and VCA, VCA + local term (k = 11) and MANO made from the
+    same random weights, every one taking any image size."""
+    import copy
+
+    import timm
+
+    from vca_patch import MANOConfig, VCAConfig, patch_model
+
+    base = timm.create_model(
+        plan.deploy_model, pretrained=False, depth=plan.deploy_depth, dynamic_img_size=True, num_classes=0
+    ).eval()
+    variants = [("original", base)]
+    configs = {name: VCAConfig(**options) for name, options in DEPLOY_CONFIGS.items()} | {"mano": MANOConfig()}
+    for name, config in configs.items():
+        model = copy.deepcopy(base)
+        patch_model(model, config)
+        variants.append((name, model.eval()))
+    return variants
+
+
+def _attention_kernels(model, x, device) -> list[str]:
+    """Names of the attention kernels one forward launches (flash / cuDNN / memory-efficient / math SDPA, Flex)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.inference_mode(), _autocast(device, device.type == "cuda"), profile(activities=activities) as prof:
+        model(x)
+        _synchronize(device)
+    words = ("flash", "fmha", "cudnn", "attention", "efficient", "flex")
+    return sorted({e.key for e in prof.key_averages() if any(w in e.key.lower() for w in words)})
+
+
+def _crossover(points: list[tuple[int, float]]) -> dict[str, Any]:
+    """The token count where a converted/original latency ratio first falls to 1, interpolated in log(tokens)
+    between the two measured sizes around it: {"tokens": N or None, "how": ...}."""
+    points = sorted(points)
+    if not points:
+        return {"tokens": None, "how": "not measured"}
+    if points[0][1] <= 1:
+        return {"tokens": None, "how": f"faster already at the smallest size measured ({points[0][0]} tokens)"}
+    for (n1, r1), (n2, r2) in itertools.pairwise(points):
+        if r1 > 1 >= r2:
+            share = (r1 - 1) / (r1 - r2)
+            tokens = math.exp(math.log(n1) + share * (math.log(n2) - math.log(n1)))
+            return {"tokens": round(tokens), "how": f"interpolated between {n1} and {n2} tokens"}
+    return {"tokens": None, "how": f"slower at every size measured (up to {points[-1][0]} tokens)"}
+
+
+def _onnx_gpu(model, plan: Plan, device) -> dict[str, Any]:
+    """The converted model exported to ONNX (dynamic batch and size) and run by onnxruntime's CUDA provider:
+    error against eager float32 and latency; skipped, with the reason, where that provider is not installed."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return {"status": "skipped", "reason": "onnxruntime is not installed"}
+    providers = ort.get_available_providers()
+    if device.type != "cuda" or "CUDAExecutionProvider" not in providers:
+        return {"status": "skipped", "reason": f"onnxruntime {ort.__version__} has no CUDA provider ({providers})"}
+    import tempfile
+
+    import torch
+
+    from vca_patch.export.api import export_model
+
+    px = min(plan.deploy_px)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.onnx"
+        export_model(model.float().cpu(), path, format="onnx", dynamic=True, img_size=px)
+        session = ort.InferenceSession(str(path), providers=["CUDAExecutionProvider"])
+        x = _images(2, px, torch.device("cpu"))
+        with torch.inference_mode():
+            expected = model(x)
+        got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
+        times = []
+        for _ in range(plan.repeats):
+            start = time.perf_counter()
+            session.run(None, {session.get_inputs()[0].name: x.numpy()})
+            times.append((time.perf_counter() - start) * 1e3)
+    return {"status": "ok", "px": px, "batch": 2, "max_abs_error": float((got - expected).abs().max()),
+            "median_ms": statistics.median(times), "providers": session.get_providers()}  # fmt: skip
+
+
+def _compiled(model, mode: str, plan: Plan):
+    """`model` as the mode runs it: eager, torch.compile(dynamic=True), or the same with CUDA graphs."""
+    import torch
+
+    if mode == "eager":
+        return model
+    torch_mode = "reduce-overhead" if mode == "cudagraphs" else plan.compile_mode
+    return torch.compile(model, dynamic=True, mode=torch_mode, backend=plan.compile_backend)
+
+
+def _deploy_row(rec: Recorder, plan: Plan, name: str, mode: str, runner, px: int, batch: int, device) -> dict:
+    """One (variant, mode, size): first-call seconds (compiling), median ms over the repeats, peak memory."""
+    import torch
+
+    timed = _timer(device)
+    x = _images(batch, px, device)
+
+    def call() -> object:
+        with torch.inference_mode(), _autocast(device, device.type == "cuda"):
+            return runner(x)
+
+    start = time.monotonic()
+    call()
+    _synchronize(device)
+    first_s = time.monotonic() - start
+    for _ in range(plan.warmup):
+        call()
+    _synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = [timed(call) for _ in range(plan.repeats)]
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    tokens = (px // 14) ** 2 + 1
+    return {"variant": name, "mode": mode, "px": px, "batch": batch, "tokens": tokens, "first_call_s": first_s,
+            "median_ms": statistics.median(times), "min_ms": min(times), "peak_mib": peak}  # fmt: skip
+
+
+def section_deploy(rec: Recorder, plan: Plan) -> None:
+    """DINOv2-S shapes: original vs VCA, VCA + local term and MANO in eager, compiled and CUDA-graph form (both
+    compiled the same way) at 224 to 2048 px; graph breaks, the attention kernels, crossovers, ONNX on the GPU."""
+    import torch
+
+    device = torch.device(plan.device)
+    variants = [(name, model.to(device)) for name, model in _deploy_variants(plan)]
+    rec.data.update(model=plan.deploy_model, depth=plan.deploy_depth, modes=list(plan.deploy_modes), rows=[])
+    x = _images(1, min(plan.deploy_px), device)
+    rec.data["graph_breaks"] = {}
+    for name, model in variants:
+        with torch.no_grad(), _autocast(device, device.type == "cuda"):
+            rec.data["graph_breaks"][name] = torch._dynamo.explain(model)(x).graph_break_count
+        torch._dynamo.reset()
+    rec.data["attention_kernels"] = {name: _attention_kernels(model, x, device) for name, model in variants[:2]}
+    rec.flush()
+    for mode in plan.deploy_modes:
+        if mode == "cudagraphs" and device.type != "cuda":
+            rec.data.setdefault("skipped", []).append("cudagraphs: CUDA graphs need a CUDA device")
+            continue
+        for name, model in variants:
+            if mode != "eager" and name not in plan.deploy_compiled:
+                continue
+            if mode != "eager" and rec.time_left() < plan.compile_reserve_s:
+                rec.data.setdefault("skipped", []).append(f"{name} {mode}: {rec.time_left():.0f} s left")
+                continue
+            torch._dynamo.reset()
+            runner = _compiled(model, mode, plan)
+            for px, batch in plan.deploy_px.items():
+                if rec.time_left() < 5:
+                    rec.data.setdefault("skipped", []).append(f"{name} {mode} {px} px: out of time")
+                    break
+                rec.data["rows"].append(_deploy_row(rec, plan, name, mode, runner, px, batch, device))
+                rec.flush()
+    rec.data["ratios"], rec.data["crossover"] = _deploy_ratios(rec.data["rows"])
+    rec.flush()
+    if rec.time_left() > 20:
+        rec.data["onnx_gpu"] = _onnx_gpu(copy.deepcopy(variants[1][1]), plan, device)
+    rec.flush()
+
+
+def _deploy_ratios(rows: list[dict]) -> tuple[list[dict], dict[str, dict]]:
+    """converted/original median latency per (variant, mode, size), and each (variant, mode)'s crossover."""
+    base = {(r["mode"], r["px"]): r["median_ms"] for r in rows if r["variant"] == "original"}
+    ratios = [
+        {"variant": r["variant"], "mode": r["mode"], "px": r["px"], "tokens": r["tokens"],
+         "ratio": r["median_ms"] / base[r["mode"], r["px"]]}
+        for r in rows if r["variant"] != "original" and (r["mode"], r["px"]) in base
+    ]  # fmt: skip
+    groups: dict[str, list[tuple[int, float]]] = {}
+    for r in ratios:
+        groups.setdefault(f"{r['variant']} {r['mode']}", []).append((r["tokens"], r["ratio"]))
+    return ratios, {key: _crossover(points) for key, points in groups.items()}
+
+
+def deploy_table(section: dict[str, Any]) -> str:
+    """The deploy section as a Markdown table: converted/original latency per size, one row per variant and mode."""
+    sizes = sorted({r["px"] for r in section.get("ratios", [])})
+    lines = ["| model | mode | " + " | ".join(f"{px} px" for px in sizes) + " | crossover (tokens) |",
+             "|---|---|" + "---|" * (len(sizes) + 1)]  # fmt: skip
+    for key, cross in section.get("crossover", {}).items():
+        variant, mode = key.split(" ")
+        cells = {
+            r["px"]: f"{r['ratio']:.2f}×" for r in section["ratios"] if r["variant"] == variant and r["mode"] == mode
+        }
+        tokens = cross["tokens"] if cross["tokens"] is not None else cross["how"]
+        lines.append(f"| {variant} | {mode} | " + " | ".join(cells.get(px, "—") for px in sizes) + f" | {tokens} |")
+    return "\n".join(lines)
+
+
 SECTION_FUNCS: dict[str, Callable[[Recorder, Plan], None]] = {
     "bf16_fidelity": section_bf16_fidelity,
     "recipe": section_recipe,
     "profile": section_profile,
     "timing": section_timing,
+    "deploy": section_deploy,
 }
 
 
@@ -594,6 +806,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)  # fmt: skip
     result["ok"] = all(s["status"] == "ok" for s in result["sections"].values())
     _write_json(output, result)
+    if "deploy" in result["sections"] and result["sections"]["deploy"].get("ratios"):
+        print(deploy_table(result["sections"]["deploy"]))
     print(f"gpu_check: wrote {output} ({'all ok' if result['ok'] else 'NOT all ok'})", file=sys.stderr)
     return 0 if result["ok"] else 1
 

@@ -15,7 +15,7 @@ import torch
 from tests.support.paths import BENCHMARKS
 
 SCRIPT = BENCHMARKS / "gpu_check.py"
-SECTIONS = ("bf16_fidelity", "recipe", "profile", "timing")
+SECTIONS = ("bf16_fidelity", "recipe", "profile", "timing", "deploy")
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -75,6 +75,29 @@ def test_dry_run_cpu_runs_every_section_and_writes_their_numbers(tmp_path):
         assert row["vca_eager_over_original"] == pytest.approx(
             row["vca_eager"]["median_ms"] / row["original_sdpa"]["median_ms"]
         )
+
+    deploy = result["sections"]["deploy"]
+    assert deploy["graph_breaks"] == {"original": 0, "vca": 0, "vca_local11": 0, "mano": 0}
+    assert any("scaled_dot_product" in k for k in deploy["attention_kernels"]["original"])
+    measured = {(r["variant"], r["mode"], r["px"]) for r in deploy["rows"]}
+    eager = {(v, "eager", px) for v in ("original", "vca", "vca_local11", "mano") for px in (28, 42)}
+    assert measured == eager | {(v, "compile", px) for v in ("original", "vca") for px in (28, 42)}
+    assert "cudagraphs: CUDA graphs need a CUDA device" in deploy["skipped"]
+    medians = {(r["variant"], r["mode"], r["px"]): r["median_ms"] for r in deploy["rows"]}
+    for ratio in deploy["ratios"]:
+        key = (ratio["variant"], ratio["mode"], ratio["px"])
+        assert ratio["ratio"] == pytest.approx(medians[key] / medians[("original", *key[1:])])
+    assert set(deploy["crossover"]) == {"vca eager", "vca_local11 eager", "mano eager", "vca compile"}
+    assert deploy["onnx_gpu"]["status"] == "skipped" and deploy["onnx_gpu"]["reason"]
+    assert "| vca | compile |" in proc.stdout  # the summary table
+
+
+def test_crossover_is_interpolated_in_log_tokens():
+    crossover = _module()._crossover
+    assert crossover([(1000, 0.5), (100, 2.0)])["tokens"] == round(100 * 10 ** (2 / 3))  # 464: a third short of 1000
+    assert crossover([(100, 2.0), (1000, 1.1)])["tokens"] is None
+    assert "slower at every size" in crossover([(100, 2.0), (1000, 1.1)])["how"]
+    assert "faster already" in crossover([(100, 0.9), (1000, 0.5)])["how"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
