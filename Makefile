@@ -4,7 +4,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install demo test lint docs
+.PHONY: install demo test test-e2e lint docs
 
 install:
 	@# Fashion-MNIST (real labelled images for the recovery tests and the example), from Debian.
@@ -21,6 +21,9 @@ demo: install
 
 test: install
 	HF_HUB_OFFLINE=1 VCA_PATCH_REQUIRE_CPU_KERNEL=1 $(PYTHON) -m pytest -n 2  # two workers, one torch thread each
+
+test-e2e: install
+	HF_HUB_OFFLINE=1 VCA_PATCH_REQUIRE_CPU_KERNEL=1 $(PYTHON) -m pytest -n 2 -m e2e  # whole benchmark/example runs
 
 lint: install
 	ruff check vca_patch tests

@@ -264,6 +264,7 @@ def test_cli_bench_times_the_composite_path_when_asked(tmp_path):
     assert "VCA composite (disabled)" in done.stdout
 
 
+@pytest.mark.e2e
 def test_benchmark_suite_smoke_writes_results_and_judges_targets(tmp_path):
     """benchmarks/run.py end to end on a tiny model: JSON per sweep, and each target row judged from its numbers."""
     script = str(BENCHMARKS / "run.py")

@@ -33,6 +33,7 @@ def _module():
     return module
 
 
+@pytest.mark.e2e
 def test_dry_run_cpu_runs_every_section_and_writes_their_numbers(tmp_path):
     out = tmp_path / "check.json"
     proc = _run("--dry-run-cpu", "--in-process", "--output", str(out))

@@ -62,6 +62,7 @@ def _line_value(output: str, label: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.e2e
 def test_convert_real_dinov2_at_any_size_with_grown_tokens_then_reload(hf_folder, photo_folder, tmp_path):
     out = tmp_path / "out"
     args = ["convert", str(hf_folder), "-o", str(out), "--img-size", str(SIZE), "--calibration-data",

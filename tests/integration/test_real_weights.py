@@ -182,6 +182,7 @@ def test_features_are_pretrained_not_random(timm_model, photos):
 
 
 @pytest.mark.skipif(not DEFAULT_ROOT.is_dir(), reason="Fashion-MNIST not installed (apt-get dataset-fashion-mnist)")
+@pytest.mark.e2e
 def test_benchmark_quick_mode(weights, tmp_path, capsys):
     pytest.importorskip("transformers")
     spec = importlib.util.spec_from_file_location("real_weights_bench", ROOT / "benchmarks" / "real_weights.py")

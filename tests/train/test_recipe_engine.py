@@ -139,6 +139,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.e2e
 def test_two_cpu_processes_match_one_process_with_the_same_global_batch(tmp_path, converted):
     """2 processes x 8 images (gloo, DDP) and 1 process x 16 images see the same global batches: the same losses,
     evaluations and weights up to float32 reduction order."""
