@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pytest
@@ -66,7 +66,7 @@ def _make_target_config() -> type[TargetConfig]:
     @dataclass
     class ScaledAttentionConfig(TargetConfig):
         target: ClassVar[str] = TARGET
-        scale: float = 1.0
+        scale: float = field(default=1.0, metadata={"cli": "--scale", "help": "Output scale of every layer"})
 
         def validate(self) -> None:
             super().validate()
@@ -200,11 +200,6 @@ def test_cli_inspect_and_convert_to_out_of_tree_target(scaled, tmp_path):
     assert torch.equal(_outputs(vca_patch.from_pretrained(out), x), _outputs(reference, x))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the CLI builds its per-target options (--window, --rate, ...) from CONFIG_TYPES when vca_patch.cli is "
-    "imported, so fields of a target registered later have no option (issue #41)",
-)
 def test_cli_takes_out_of_tree_target_options(scaled, tmp_path):
     """A target's own fields as CLI options (--scale), like the built-in targets' fields."""
     result = runner.invoke(
