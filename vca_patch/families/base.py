@@ -5,42 +5,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from vca_patch.families.library import ModelLibrary
+from vca_patch.families.site import AttentionSite, SkippedSite
 from vca_patch.families.verify import TOLERANCE, verification_error
 from vca_patch.layers.carried import CarriedAttention
 from vca_patch.layers.layout import TokenLayout, close_scope, open_scope, recorded_layout, scoped_layout
-
-
-@dataclass
-class AttentionSite:
-    """A self-attention module that can be converted."""
-
-    path: str
-    module: nn.Module
-    layer_index: int
-    dim: int
-    num_heads: int
-    notes: list[str] = field(default_factory=list)  # what the conversion drops or changes
-    verified: bool | None = None  # a reference softmax attention reproduced the module (None: not checked)
-
-    @property
-    def class_name(self) -> str:
-        return type(self.module).__name__
-
-
-@dataclass
-class SkippedSite:
-    """An attention-like module left untouched, and why."""
-
-    path: str
-    class_name: str
-    reason: str
 
 
 def attention_dropout_note(module: nn.Module) -> str | None:

@@ -14,7 +14,7 @@ from torch import nn
 from vca_patch.layers.carried import CarriedAttention
 
 if TYPE_CHECKING:
-    from vca_patch.families.base import AttentionSite
+    from vca_patch.families.site import AttentionSite
 
 TOLERANCE = 1e-4  # relative error, float32
 

@@ -25,7 +25,8 @@ from tests.support.diffusers_models import (  # noqa: E402
 from tests.support.reference.vca import reference_vca  # noqa: E402
 from vca_patch import VCAConfig, patch_model, unpatch_model  # noqa: E402
 from vca_patch.families import adapter_for  # noqa: E402
-from vca_patch.families.diffusers.dit import DiffusersDiTAdapter, check_diffusers_base, patched_processors  # noqa: E402
+from vca_patch.families.diffusers.dit import DiffusersDiTAdapter, patched_processors  # noqa: E402
+from vca_patch.families.diffusers.guard import check_diffusers_base  # noqa: E402
 from vca_patch.families.diffusers.processor import CarriedLayerProcessor  # noqa: E402
 from vca_patch.families.verify import reference_softmax_attention  # noqa: E402
 from vca_patch.layers.layout import TokenLayout  # noqa: E402

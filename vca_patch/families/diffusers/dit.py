@@ -29,7 +29,6 @@ from typing import Any
 
 from torch import nn
 
-from vca_patch.core.errors import UnsafeConfigError
 from vca_patch.families.base import (
     AttentionSite,
     LayoutScopeEnd,
@@ -46,6 +45,7 @@ from vca_patch.families.diffusers.flux import (
     is_flux,
     single_verification_error,
 )
+from vca_patch.families.diffusers.guard import ARCHITECTURES, check_diffusers_base
 from vca_patch.families.diffusers.joint import carry_joint, joint_structure_problem, joint_verification_error
 from vca_patch.families.diffusers.library import DIFFUSERS
 from vca_patch.families.diffusers.processor import (
@@ -62,7 +62,6 @@ from vca_patch.layers.joint_carry import CarriedSingleStreamAttention, NoOutputP
 from vca_patch.layers.layout import TokenLayout
 
 # Model classes whose patched form `create_base` rebuilds from their diffusers config.
-ARCHITECTURES = ("DiTTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel", "FluxTransformer2DModel")
 # Processors computing plain softmax attention over `to_q/to_k/to_v` (JointAttnProcessor2_0: only without
 # added text projections, where it is SD3.5's image-only self-attention).
 _SOFTMAX_PROCESSORS = ("AttnProcessor2_0", "AttnProcessor", "JointAttnProcessor2_0")
@@ -74,9 +73,6 @@ _LINEAR_PROCESSORS = (
 )
 _BLOCK_INDEX = re.compile(r"(?:^|\.)(?:single_)?transformer_blocks\.(\d+)\.")
 _QKV = ("to_q", "to_k", "to_v")
-_CONFIG_KEY = re.compile(r"[a-z][a-z0-9_]*")
-_SUBFOLDER = re.compile(r"[A-Za-z0-9][\w.-]*")  # one folder level: "transformer"
-_REVISION = re.compile(r"[A-Za-z0-9][\w.-]{0,254}")
 
 
 def _attention_types() -> tuple[type, ...]:
@@ -341,35 +337,6 @@ def carry_single(attn: nn.Module) -> CarriedSingleStreamAttention:
         q_norm=attn.norm_q if attn.norm_q is not None else nn.Identity(),
         k_norm=attn.norm_k if attn.norm_k is not None else nn.Identity(),
     )
-
-
-def check_diffusers_base(base: dict[str, Any], where: str) -> None:
-    """Refuse a diffusers base description that names anything but a supported model class and plain options
-    (the diffusers library's `check_base`, families/diffusers/library.py)."""
-
-    architecture = base.get("architecture")
-    if architecture not in ARCHITECTURES:
-        raise UnsafeConfigError(
-            f"{where}: base.architecture = {architecture!r} is not allowed: expected one of {', '.join(ARCHITECTURES)}"
-        )
-    for key, pattern in (("subfolder", _SUBFOLDER), ("revision", _REVISION)):
-        value = base.get(key)
-        if value is not None and (not isinstance(value, str) or not pattern.fullmatch(value) or ".." in value):
-            raise UnsafeConfigError(
-                f"{where}: base.{key} = {value!r:.80} is not allowed: expected null or a plain name"
-            )
-    config = base.get("config")
-    if not isinstance(config, dict):
-        raise UnsafeConfigError(f"{where}: base.config must be an object of {architecture} constructor options")
-    scalar = (bool, int, float, str, type(None))
-    for key, value in config.items():
-        plain = isinstance(value, scalar) or (isinstance(value, list) and all(isinstance(v, scalar) for v in value))
-        if not isinstance(key, str) or not _CONFIG_KEY.fullmatch(key) or not plain:
-            raise UnsafeConfigError(
-                f"{where}: base.config.{key} = {value!r:.80} is not allowed: expected plain constructor options"
-            )
-        if re.search(r"(?:^|_)(?:path|file|url|dir|directory)$", key) and value not in (None, ""):
-            raise UnsafeConfigError(f"{where}: base.config.{key} names a file or URL; not allowed")
 
 
 def describe_sites(model: nn.Module) -> list[dict[str, str]]:

@@ -1,4 +1,4 @@
-"""diffusers' library hooks (families/library.py): its guard check (`dit.check_diffusers_base`), loading a
+"""diffusers' library hooks (families/library.py): its guard check (`guard.check_diffusers_base`), loading a
 pipeline's transformer (`source`) and the card's generation task."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from vca_patch.families.diffusers.guard import check_diffusers_base
 from vca_patch.families.diffusers.source import is_diffusers_source, load_diffusers_transformer
 from vca_patch.families.library import ModelLibrary
 
@@ -25,8 +26,6 @@ class DiffusersLibrary(ModelLibrary):
     load_priority = 10  # before transformers: a diffusers folder or repo also has a config.json / a slash
 
     def check_base(self, base: dict[str, Any], where: str) -> None:
-        from vca_patch.families.diffusers.dit import check_diffusers_base  # dit imports this module
-
         check_diffusers_base(base, where)
 
     def card_task(self, base: dict[str, Any], default: str | None) -> str | None:

@@ -19,6 +19,7 @@ from torch import nn
 from vca_patch.core.hub_access import HubUnavailableError, UnknownModelError, hub_offline_reason, is_hub_id
 from vca_patch.core.install import install_hint
 from vca_patch.core.weights import load_state_dict_checked, read_state_dict
+from vca_patch.families.diffusers.guard import ARCHITECTURES
 
 TRANSFORMER = "transformer"  # the subfolder of a diffusers pipeline that holds the denoising transformer
 PIPELINE_INDEX = "model_index.json"
@@ -127,7 +128,6 @@ def _hub_config(repo_id: str) -> tuple[dict[str, Any], str | None, str]:
 def load_diffusers_transformer(name: str, *, pretrained: bool = True, weights: Path | None = None) -> nn.Module:
     """The diffusion transformer of a local folder or Hub repo, with its own, local (`weights`) or random weights,
     in eval mode; `model.__dict__[SOURCE]` says where it came from."""
-    from vca_patch.families.diffusers.dit import ARCHITECTURES
 
     try:
         import diffusers

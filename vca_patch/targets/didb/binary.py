@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vca_patch.layers.carried_module import CarriesOriginal
+from vca_patch.targets.didb.bits import all_nonzero_words, unpack_signs
 
 
 class _SignSTE(torch.autograd.Function):
@@ -88,7 +89,6 @@ class BinaryWeight:
         """sign(W) [O, K] in the scale's dtype."""
         if self.dense_signs is not None:
             return self.dense_signs
-        from vca_patch.targets.didb.packed import unpack_signs  # packed.py imports this module
 
         return unpack_signs(self.words, self.nonzero, self.in_features, dtype=self.scale.dtype)
 
@@ -118,9 +118,14 @@ class BinaryWeight:
 
         nonzero = None
         if any(p.nonzero is not None for p in parts):  # a part without zeros: every real column is nonzero
-            from vca_patch.targets.didb.packed import all_nonzero_words
-
-            nonzero = torch.cat([p.nonzero if p.nonzero is not None else all_nonzero_words(p) for p in parts])
+            nonzero = torch.cat(
+                [
+                    p.nonzero
+                    if p.nonzero is not None
+                    else all_nonzero_words(p.scale.shape[0], p.in_features, p.scale.device)
+                    for p in parts
+                ]
+            )
         return cls(join("scale"), parts[0].in_features, join("dense_signs"), join("words"), nonzero)
 
 

@@ -8,7 +8,7 @@ from vca_patch.core.errors import PatchError
 from vca_patch.core.patch_state import get_patch_state
 from vca_patch.targets.didb.attention import DIDBAttention
 from vca_patch.targets.didb.binary import BinaryLinear
-from vca_patch.targets.didb.config import DIDBConfig
+from vca_patch.targets.didb.packed import PackedBinaryLinear, is_packed
 
 
 def set_binarization(model: nn.Module, *, weights: bool | None = None, activations: bool | None = None) -> None:
@@ -17,13 +17,8 @@ def set_binarization(model: nn.Module, *, weights: bool | None = None, activatio
     Updates the patch's DIDBConfig too, so a checkpoint saved afterwards reloads in the same state. A packed model
     (didb/packed.py) keeps binary weights: unpack it (`unpack_binary`) before turning them off.
     """
-    from vca_patch.targets.didb.packed import (  # packed.py imports config.py, which imports this module
-        PackedBinaryLinear,
-        is_packed,
-    )
-
     state = get_patch_state(model)
-    if state is None or not isinstance(state.config, DIDBConfig):
+    if state is None or getattr(state.config, "target", None) != "didb":
         raise PatchError("set_binarization needs a model patched with vca_patch.DIDBConfig")
     if weights is False and is_packed(model):
         raise PatchError(

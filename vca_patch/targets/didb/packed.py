@@ -14,7 +14,6 @@ goes back to trainable latent weights W = α ⊙ sign(W) (the latent magnitudes 
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,52 +27,13 @@ from vca_patch.layers.carried_module import CarriesOriginal
 from vca_patch.layers.fused_qkv import FusedQKVView
 from vca_patch.targets.didb.attention import DIDBAttention
 from vca_patch.targets.didb.binary import BinaryLinear, BinaryWeight
+from vca_patch.targets.didb.bits import as_words, pack_bits, packed_width, unpack_bits
 
 PACKED_KEYS = ("weight_signs", "weight_scale", "weight_nonzero")
 
 
 class PackedFormatError(ConfigError):
     """Packed tensors that do not describe a binarised Linear of the model."""
-
-
-def packed_width(in_features: int) -> int:
-    """Bytes per row of `weight_signs` for `in_features` columns (whole 64-bit words)."""
-    return 8 * math.ceil(in_features / 64)
-
-
-def pack_bits(flags: torch.Tensor) -> torch.Tensor:
-    """bool [O, K] -> uint8 [O, 8·⌈K/64⌉], LSB first, zero padding."""
-    rows, cols = flags.shape
-    padded = torch.zeros(rows, packed_width(cols) * 8, dtype=torch.uint8, device=flags.device)
-    padded[:, :cols] = flags
-    weights = 2 ** torch.arange(8, device=flags.device, dtype=torch.uint8)
-    return (padded.view(rows, -1, 8) * weights).sum(dim=-1, dtype=torch.uint8)
-
-
-def unpack_bits(bits: torch.Tensor, in_features: int) -> torch.Tensor:
-    """uint8 [O, B] -> bool [O, in_features]."""
-    shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
-    return ((bits.unsqueeze(-1) >> shifts) & 1).view(bits.shape[0], -1)[:, :in_features].bool()
-
-
-def _words(bits: torch.Tensor) -> torch.Tensor:
-    """uint8 [O, 8·W] -> int64 words [O, W] (the same bytes; little-endian hosts)."""
-    return bits.view(torch.int64)
-
-
-def unpack_signs(
-    words: torch.Tensor, nonzero: torch.Tensor | None, in_features: int, *, dtype: torch.dtype
-) -> torch.Tensor:
-    """Dense sign(W) ∈ {−1, 0, 1} [O, K] from int64 sign words (and nonzero words)."""
-    negative = unpack_bits(words.view(torch.uint8), in_features)
-    signs = 1 - 2 * negative.to(dtype)
-    return signs if nonzero is None else signs * unpack_bits(nonzero.view(torch.uint8), in_features).to(dtype)
-
-
-def all_nonzero_words(weight: BinaryWeight) -> torch.Tensor:
-    """Nonzero words of a weight without zeros: every real column set."""
-    ones = torch.ones(weight.scale.shape[0], weight.in_features, dtype=torch.bool, device=weight.scale.device)
-    return _words(pack_bits(ones))
 
 
 class PackedBinaryLinear(CarriesOriginal, nn.Module):
@@ -111,8 +71,8 @@ class PackedBinaryLinear(CarriesOriginal, nn.Module):
         return cls(pack_weight(weight.detach()), bias, **kwargs)
 
     def binary_weight(self) -> BinaryWeight:
-        nonzero = None if self.weight_nonzero is None else _words(self.weight_nonzero)
-        return BinaryWeight(self.weight_scale, self.in_features, words=_words(self.weight_signs), nonzero=nonzero)
+        nonzero = None if self.weight_nonzero is None else as_words(self.weight_nonzero)
+        return BinaryWeight(self.weight_scale, self.in_features, words=as_words(self.weight_signs), nonzero=nonzero)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -150,8 +110,8 @@ def pack_weight(weight: torch.Tensor) -> BinaryWeight:
         raise RuntimeError("packed binary weights need a little-endian host")
     scale = weight.abs().mean(dim=1)
     zero = weight == 0
-    nonzero = _words(pack_bits(~zero)) if bool(zero.any()) else None
-    return BinaryWeight(scale, weight.shape[1], words=_words(pack_bits(weight < 0)), nonzero=nonzero)
+    nonzero = as_words(pack_bits(~zero)) if bool(zero.any()) else None
+    return BinaryWeight(scale, weight.shape[1], words=as_words(pack_bits(weight < 0)), nonzero=nonzero)
 
 
 # --- which Linears of a patched model are packed ---------------------------------------------------------------
@@ -201,10 +161,8 @@ def _slots(model: nn.Module) -> Iterator[_Slot]:
 
 
 def _didb_state(model: nn.Module, action: str):
-    from vca_patch.targets.didb.config import DIDBConfig
-
     state = get_patch_state(model)
-    if state is None or not isinstance(state.config, DIDBConfig):
+    if state is None or getattr(state.config, "target", None) != "didb":
         raise PatchError(f"{action} needs a model patched with vca_patch.DIDBConfig")
     if not state.config.weights:
         raise PatchError(
@@ -360,8 +318,8 @@ def load_packed(model: nn.Module, state_dict: dict[str, torch.Tensor], source: s
             if bool((signs & ~nonzero).any()):
                 raise PackedFormatError(f"{keys['weight_signs']} marks zero weights (weight_nonzero) negative")
         device, dtype = slot.module.weight.device, slot.module.weight.dtype
-        words = _words(signs.to(device).clone())
-        nonzero = None if nonzero is None else _words(nonzero.to(device).clone())
+        words = as_words(signs.to(device).clone())
+        nonzero = None if nonzero is None else as_words(nonzero.to(device).clone())
         weights.append(BinaryWeight(scale.to(device, dtype).clone(), in_features, words=words, nonzero=nonzero))
     for slot, weight in zip(slots, weights, strict=True):
         _install(model, slot, _packed_from(slot, weight))
