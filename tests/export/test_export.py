@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import vca_patch
 from tests.support.models import TARGET_CONFIGS
-from vca_patch import patch_model
+from vca_patch import VCAConfig, patch_model
 from vca_patch.cli.app import app
 from vca_patch.export import ExportError, export_model
 
@@ -76,6 +76,21 @@ def _check_onnx(model: torch.nn.Module, path, sizes) -> float:
 
 def test_onnx_dynamic_batch_and_size(tmp_path):
     assert _check_onnx(_deit("vca"), tmp_path / "m.onnx", SIZES) < ATOL
+
+
+def test_onnx_pools_and_reads_neighbours_at_grids_it_was_not_traced_at(tmp_path):
+    """Contrast pooling over grids that are not multiples of the contrast grid (4×3, 3×5 and 8×8 patches into 2×2)
+    and the local term: exporters used to bake the traced grid's pooling windows and neighbour mask into the graph
+    (onnxruntime then failed, or pooled wrong windows silently: 1.5e-4 off at 3×5)."""
+    model = timm.create_model(
+        "deit_tiny_patch16_224", pretrained=False, dynamic_img_size=True, **TINY, num_classes=10
+    ).eval()
+    patch_model(model, VCAConfig(contrast_tokens=4, local_window=3))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(part in name for part in ("lambda", "contrast_embed", "dwc", "local")):
+                p.add_(0.3)
+    assert _check_onnx(model, tmp_path / "m.onnx", [(64, 48), (48, 80), (128, 128)]) < ATOL
 
 
 @pytest.mark.slow

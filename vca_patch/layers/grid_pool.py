@@ -14,11 +14,15 @@ import torch
 
 
 def _build_window_matrix(size: int, pooled: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    matrix = torch.zeros(pooled, size, dtype=torch.float64)
-    for i in range(pooled):
-        start, end = (i * size) // pooled, -(-(i + 1) * size // pooled)  # adaptive_avg_pool2d's window
-        matrix[i, start:end] = 1.0 / (end - start)
-    return matrix.to(device=device, dtype=dtype)
+    """Row i: 1 / (window length) over adaptive_avg_pool2d's window i = [⌊i·size/pooled⌋, ⌈(i+1)·size/pooled⌉).
+    Arithmetic on aranges, no loop or slicing: traced with a symbolic `size`, the windows follow the input's size
+    (exporters would otherwise bake the traced size's windows into the graph)."""
+    i = torch.arange(pooled, device=device, dtype=torch.int64)[:, None]  # [pooled, 1]
+    j = torch.arange(size, device=device, dtype=torch.int64)[None]  # [1, size]
+    start = (i * size).div(pooled, rounding_mode="floor")
+    end = ((i + 1) * size + pooled - 1).div(pooled, rounding_mode="floor")
+    inside = (j >= start) & (j < end)
+    return (inside.to(torch.float64) / (end - start).to(torch.float64)).to(dtype)
 
 
 @functools.lru_cache(maxsize=64)

@@ -267,6 +267,9 @@ class VisualContrastAttention(CarriedAttentionLayer):
         if projection is not None:
             patches = x[:, layout.num_prefix_tokens :]  # [B, H·W, C_in]
             return F.linear(adaptive_avg_pool_tokens(patches, layout.grid, self.contrast_grid), *projection)
+        if torch.compiler.is_compiling():  # exporters bake adaptive_avg_pool2d's windows for the traced grid
+            patches = q.transpose(1, 2).reshape(B, -1, self.attn_dim)[:, layout.num_prefix_tokens :]
+            return adaptive_avg_pool_tokens(patches, layout.grid, self.contrast_grid)
         pooled = F.adaptive_avg_pool2d(_patch_grid(q, layout), self.contrast_grid)  # [B, C, h, w], channels-last
         return pooled.permute(0, 2, 3, 1).reshape(B, self.num_contrast_tokens, self.attn_dim)
 

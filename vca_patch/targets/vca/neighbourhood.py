@@ -69,10 +69,13 @@ def _dense_attention(
     """`neighbourhood_attention` as one SDPA of the patch queries over all N keys, masked to the prefix and each
     query's neighbourhood: quadratic in the tokens, for small grids."""
     P, (H, W), r = layout.num_prefix_tokens, layout.grid, kernel // 2
-    rows = torch.arange(H, device=q.device).repeat_interleave(W)  # [H·W] each patch's grid row and column
-    cols = torch.arange(W, device=q.device).repeat(H)
-    near = ((rows[:, None] - rows[None]).abs() <= r) & ((cols[:, None] - cols[None]).abs() <= r)  # [H·W, H·W]
-    mask = torch.cat([near.new_ones(H * W, P), near], dim=1)  # [H·W, N]
+    # each key's grid row and column (prefix keys: row and column 0, then allowed below), from one arange so that
+    # exporters see plain arithmetic on the symbolic sizes
+    key = torch.arange(k.shape[2], device=q.device) - P  # [N]: patch index of each key, < 0 for the prefix
+    rows = key.div(W, rounding_mode="floor")
+    cols = key - rows * W
+    near = ((rows[P:, None] - rows[None]).abs() <= r) & ((cols[P:, None] - cols[None]).abs() <= r)  # [H·W, N]
+    mask = near | (key < 0)[None]  # the prefix keys, always
     return scaled_dot_product_attention(q[:, :, P:], k, v, attn_mask=mask, scale=scale)
 
 
