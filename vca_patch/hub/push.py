@@ -9,7 +9,6 @@ Xet/LFS upload each and skips content the Hub already has, so a retried push res
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +25,14 @@ from vca_patch.checkpoint.folder import (
     weights_name,
 )
 from vca_patch.checkpoint.model_card import render_model_card
+from vca_patch.core.formats import format_of_folder, format_of_model
 from vca_patch.core.weights import WeightsMismatchError, read_state_dict
-from vca_patch.hub.errors import LOGIN_HINT, HubAuthError, HubError, HubUnavailableError
-from vca_patch.hub.resolve import hub_unreachable, validate_repo_id
+from vca_patch.hub.errors import HubError
+from vca_patch.hub.formats import push_format
+from vca_patch.hub.resolve import validate_repo_id
 from vca_patch.hub.staging import stage_folder
+from vca_patch.hub.upload import require_hub, resolve_token, upload_stage
 from vca_patch.surgery import PatchError, get_patch_state
-
-
-def resolve_token(token: str | None) -> str:
-    """The token to push with: `token`, else HF_TOKEN or the stored login; raise HubAuthError if none."""
-    from huggingface_hub import get_token
-
-    token = token or get_token()
-    if not token:
-        raise HubAuthError(f"pushing to the Hub needs a token with write access: {LOGIN_HINT}")
-    return token
 
 
 def stage_checkpoint(folder: Path, meta: dict[str, Any], repo_id: str, stage: Path) -> list[str]:
@@ -74,58 +66,6 @@ def check_folder_loads(folder: Path, meta: dict[str, Any]) -> None:
         raise CheckpointError(f"{folder} does not load, so nothing was pushed: {exc}") from None
 
 
-def upload_stage(
-    stage: Path,
-    repo_id: str,
-    *,
-    token: str,
-    private: bool,
-    revision: str | None,
-    commit_message: str,
-    delete_patterns: Sequence[str] = (),
-) -> str:
-    """Upload the staged folder to `repo_id` (created if needed, on branch `revision`) in one commit that also
-    deletes the repo's files matching `delete_patterns`; the commit URL. Hub errors become HubError subclasses."""
-    import httpx2
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-
-    api = HfApi(token=token)
-    try:
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        if revision and revision != "main":
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
-        info = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=stage,
-            revision=revision,
-            commit_message=commit_message,
-            delete_patterns=list(delete_patterns),
-        )
-    except HfHubHTTPError as exc:
-        status = exc.response.status_code if exc.response is not None else None
-        if status in (401, 403):
-            raise HubAuthError(
-                f"the Hub refused the token (HTTP {status}): it needs write access to {repo_id}; {LOGIN_HINT}"
-            ) from None
-        raise HubError(f"push to {repo_id} failed: {exc}") from exc
-    except (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled) as exc:
-        raise HubUnavailableError(
-            f"push to {repo_id} failed, the Hub is unreachable ({exc}); nothing local was changed"
-        ) from exc
-    return info.commit_url
-
-
-def require_hub(repo_id: str, folder: Path | None) -> None:
-    """HubUnavailableError, before anything is saved or staged, when the Hub cannot be reached (offline mode too)."""
-    reason = hub_unreachable()
-    if reason:
-        raise HubUnavailableError(
-            f"cannot push to {repo_id}: the Hugging Face Hub is unreachable ({reason}); nothing was uploaded"
-            + (f" and {folder} is unchanged" if folder else "")
-        )
-
-
 def push_to_hub(
     model_or_dir: nn.Module | str | Path,
     repo_id: str,
@@ -148,13 +88,12 @@ def push_to_hub(
     when a model is given.
     """
     repo_id = validate_repo_id(repo_id)
-    from vca_patch.targets.llava_sp.hub import has_spatial_tokens, is_spatial_folder, push_spatial_tokens
-
-    if has_spatial_tokens(model_or_dir) if isinstance(model_or_dir, nn.Module) else is_spatial_folder(model_or_dir):
+    fmt = format_of_model(model_or_dir) if isinstance(model_or_dir, nn.Module) else format_of_folder(model_or_dir)
+    if fmt is not None:  # a registered format's model or folder (e.g. LLaVA-SP's)
         options = {"private": private, "token": token, "revision": revision, "commit_message": commit_message}
-        vca_only = {"form": form != "merged", "base_weights": base_weights is not None,
-                    "base_state_dict": base_state_dict is not None, "model_args": model_args is not None}  # fmt: skip
-        return push_spatial_tokens(model_or_dir, repo_id, metadata=metadata, vca_only=vca_only, **options)
+        given = {"form": form != "merged", "base_weights": base_weights is not None,
+                 "base_state_dict": base_state_dict is not None, "model_args": model_args is not None}  # fmt: skip
+        return push_format(fmt, model_or_dir, repo_id, metadata=metadata, given=given, **options)
     folder: Path | None = None
     if isinstance(model_or_dir, nn.Module):
         if get_patch_state(model_or_dir) is None:

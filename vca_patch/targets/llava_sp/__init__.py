@@ -1,5 +1,6 @@
 """LLaVA-SP (arXiv 2507.00505): visual spatial tokens in front of a LLaVA model's projected patch tokens."""
 
+from vca_patch.targets.llava_sp import format as _format  # noqa: F401  (registers the LLaVA-SP checkpoint format)
 from vca_patch.targets.llava_sp.config import SpatialTokensConfig
 from vca_patch.targets.llava_sp.io import load_spatial_tokens, read_spatial_tokens_config, save_spatial_tokens
 from vca_patch.targets.llava_sp.layer import CroppingSpatialTokens, PoolingSpatialTokens, crop_windows

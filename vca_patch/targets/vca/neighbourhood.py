@@ -68,9 +68,9 @@ def _dense_attention(
 ) -> torch.Tensor:
     """`neighbourhood_attention` as one SDPA of the patch queries over all N keys, masked to the prefix and each
     query's neighbourhood: quadratic in the tokens, for small grids."""
-    P, (H, W), r = layout.num_prefix_tokens, layout.grid, kernel // 2
-    # each key's grid row and column (prefix keys: row and column 0, then allowed below), from one arange so that
-    # exporters see plain arithmetic on the symbolic sizes
+    P, W, r = layout.num_prefix_tokens, layout.grid[1], kernel // 2
+    # each key's grid row and column from one arange (the prefix keys get negative indices and are allowed below):
+    # plain arithmetic on the symbolic sizes, which exporters keep symbolic
     key = torch.arange(k.shape[2], device=q.device) - P  # [N]: patch index of each key, < 0 for the prefix
     rows = key.div(W, rounding_mode="floor")
     cols = key - rows * W
