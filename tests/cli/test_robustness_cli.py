@@ -114,7 +114,7 @@ CASES = [  # (id, args with {name} placeholders, input names, exit code, substri
     ("bench-resolution", [*BENCH, "deit_tiny_patch16_224", "--depth", "1", "--resolutions", "100,224"], [], 2,
      ["100 px are not a multiple of the patch size 16×16", "use e.g. 96"]),
     ("bench-batch-0", [*BENCH, "deit_tiny_patch16_224", "--batch", "0"], [], 2, ["--batch must be at least 1"]),
-    ("bench-depth-0", [*BENCH, "deit_tiny_patch16_224", "--depth", "0"], [], 2, ["--depth must be at least 1"]),
+    ("bench-depth-0", [*BENCH, "deit_tiny_patch16_224", "--depth", "0"], [], 2, ["--depth must be an integer from 1 to 256, got 0"]),
     ("fidelity-limit-0", ["fidelity", "{ckpt}", "--limit", "0"], ["ckpt"], 2, ["--limit must be at least 1"]),
     ("fidelity-batch-0", ["fidelity", "{ckpt}", "--batch-size", "0"], ["ckpt"], 2, ["--batch-size must be"]),
     ("fidelity-truncated", ["fidelity", "{truncated}", "--device", "cpu"], ["truncated"], 2,

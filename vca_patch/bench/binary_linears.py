@@ -11,6 +11,7 @@ import torch
 from rich.table import Table
 from torch import nn
 
+from vca_patch.bench.extras import BenchExtra, register_bench_extra
 from vca_patch.bench.timing import median, time_interleaved
 
 FORMS = ("float Linear", "float emulation", "packed xnor")
@@ -119,3 +120,6 @@ def binary_linears_table(result: dict[str, Any]) -> Table:
     total = result["total"]
     row("all (sum)", str(sum(s["count"] for s in result["shapes"])), total["latency_ms"], total["weight_bytes"])
     return table
+
+
+register_bench_extra("didb", BenchExtra("didb_linears", compare_binary_linears, binary_linears_table, ("cpu",)))

@@ -87,24 +87,24 @@ def target_options() -> list[TargetOption]:
     return list(options.values())
 
 
-def command_parameters(args_cls: type) -> list[inspect.Parameter]:
-    """The typer parameters of dataclass `args_cls`'s fields (`Annotated[type, typer.X]`, their defaults), then one
-    keyword-only option per CLI field of every target registered now."""
+def command_parameters(args_cls: type, with_targets: bool = True) -> list[inspect.Parameter]:
+    """The typer parameters of dataclass `args_cls`'s fields (`Annotated[type, typer.X]`, their defaults), then (with
+    `with_targets`) one keyword-only option per CLI field of every target registered now."""
     hints = typing.get_type_hints(args_cls, include_extras=True)
     kind = inspect.Parameter.KEYWORD_ONLY
     params = [
         inspect.Parameter(f.name, kind, annotation=hints[f.name], default=_default(f))
         for f in dataclasses.fields(args_cls)
     ]
-    return params + [option.parameter() for option in target_options()]
+    return params + ([option.parameter() for option in target_options()] if with_targets else [])
 
 
 class TargetCommand:
     """`func(**options)` with the signature typer reads computed when typer builds the CLI (each `app()` call), not
     at import: a target registered later (`register_target`, a plug-in's entry point) brings its own options."""
 
-    def __init__(self, func: Callable[..., Any], args_cls: type) -> None:
-        self.func, self.args_cls = func, args_cls
+    def __init__(self, func: Callable[..., Any], args_cls: type, with_targets: bool = True) -> None:
+        self.func, self.args_cls, self.with_targets = func, args_cls, with_targets
         self.__name__, self.__qualname__ = func.__name__, func.__qualname__
         self.__doc__, self.__module__ = func.__doc__, func.__module__
 
@@ -113,16 +113,17 @@ class TargetCommand:
 
     @property
     def __signature__(self) -> inspect.Signature:
-        return inspect.Signature(command_parameters(self.args_cls), return_annotation=None)
+        return inspect.Signature(command_parameters(self.args_cls, self.with_targets), return_annotation=None)
 
     @property
     def __annotations__(self) -> dict[str, Any]:  # resolved objects: typing.get_type_hints needs no namespace
-        return {p.name: p.annotation for p in command_parameters(self.args_cls)} | {"return": None}
+        return {p.name: p.annotation for p in command_parameters(self.args_cls, self.with_targets)} | {"return": None}
 
 
-def typer_command(args_cls: type) -> Callable[[Callable[..., Any]], TargetCommand]:
-    """Make `func(**options)` a typer command whose options are `args_cls`'s fields and every target's options."""
-    return lambda func: TargetCommand(func, args_cls)
+def typer_command(args_cls: type, *, target_options: bool = True) -> Callable[[Callable[..., Any]], TargetCommand]:
+    """Make `func(**options)` a typer command whose options are `args_cls`'s fields and (`target_options`) every
+    target's options."""
+    return lambda func: TargetCommand(func, args_cls, target_options)
 
 
 def _default(f: dataclasses.Field[Any]) -> Any:
