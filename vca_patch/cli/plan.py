@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 import typer
 from rich.table import Table
 
 from vca_patch.cli.common import check_model_sizes, console, fail, load_base
+from vca_patch.cli.target_options import split_options, typer_command
 from vca_patch.core.atomic import atomic_file
 from vca_patch.core.paths import check_output
 from vca_patch.core.sizes import MAX_IMG_SIZE, check_bound
@@ -80,115 +82,152 @@ def over_budget_line(result: PlanResult) -> str | None:
     )
 
 
-def plan(
-    model: Annotated[str, typer.Argument(help="timm model name (e.g. vit_small_patch14_dinov2) or hf-hub:ORG/NAME")],
+@dataclass
+class PlanArgs:
+    """`plan`'s options."""
+
+    model: Annotated[str, typer.Argument(help="timm model name (e.g. vit_small_patch14_dinov2) or hf-hub:ORG/NAME")]
     calibration_data: Annotated[
         Path, typer.Option(help="Folder of calibration images (any layout; every image file under it)")
-    ],
-    budget: Annotated[float, typer.Option(help="Latency budget: ratio to the original's batch-1 latency")] = 0.5,
-    resolution: Annotated[int, typer.Option(help="Input size in pixels to plan for")] = 224,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Plan file to write (JSON)")] = Path("plan.json"),
-    png: Annotated[Path | None, typer.Option(help="Pareto-front PNG (default: the plan file with .png)")] = None,
-    images: Annotated[int, typer.Option(help="Calibration images to use (the first, sorted by path)")] = 8,
+    ]
+    budget: Annotated[float, typer.Option(help="Latency budget: ratio to the original's batch-1 latency")] = 0.5
+    resolution: Annotated[int, typer.Option(help="Input size in pixels to plan for")] = 224
+    output: Annotated[Path, typer.Option("--output", "-o", help="Plan file to write (JSON)")] = Path("plan.json")
+    png: Annotated[Path | None, typer.Option(help="Pareto-front PNG (default: the plan file with .png)")] = None
+    images: Annotated[int, typer.Option(help="Calibration images to use (the first, sorted by path)")] = 8
     eval_images: Annotated[
         int, typer.Option(help="Further images, after the calibration ones, kept apart to measure the plan on")
-    ] = 0,
+    ] = 0
     contrast_tokens: Annotated[
         str, typer.Option(help="VCA contrast-token counts n to try, e.g. '16,49' ('none': merging only)")
-    ] = "16,49",
+    ] = "16,49"
     mano_windows: Annotated[
         str, typer.Option(help="MANO window sides k to try, e.g. '7' ('' or 'none': no MANO blocks)")
-    ] = "7",
+    ] = "7"
     local_window: Annotated[
         int,
         typer.Option(
             help="Give the VCA candidates a local term: each patch also attends exactly to its k×k neighbours "
             "(odd k, e.g. 7; 0: none). Costs latency, buys fidelity; the plan weighs both"
         ),
-    ] = 0,
+    ] = 0
     merge_fractions: Annotated[
         str, typer.Option(help="Fractions of the patch tokens merging may remove, e.g. '0.3,0.5,0.7,0.85,0.95'")
-    ] = "0.3,0.5,0.7,0.85,0.95",
-    objective: Annotated[str, typer.Option(help="What to keep: cls, patch (dense) or both")] = "both",
+    ] = "0.3,0.5,0.7,0.85,0.95"
+    objective: Annotated[str, typer.Option(help="What to keep: cls, patch (dense) or both")] = "both"
     unmerge: Annotated[
         str,
         typer.Option(
             help="How merged tokens return to their patches: copy (ToMe's), residual (plus what merging took "
             "from each patch: better patch tokens, a little slower) or auto (residual unless --objective cls)"
         ),
-    ] = "auto",
-    calibrate: Annotated[bool, typer.Option(help="Calibrate the VCA candidates (training-free)")] = True,
-    pretrained: Annotated[
-        bool, typer.Option(help="Start from pretrained Hub weights (--no-pretrained: random)")
-    ] = True,
-    weights: Annotated[Path | None, typer.Option(help="Local weights (.safetensors/.pth) for MODEL")] = None,
-    repeats: Annotated[int, typer.Option(help="Timing rounds per measurement")] = 3,
+    ] = "auto"
+    calibrate: Annotated[bool, typer.Option(help="Calibrate the VCA candidates (training-free)")] = True
+    pretrained: Annotated[bool, typer.Option(help="Start from pretrained Hub weights (--no-pretrained: random)")] = True
+    weights: Annotated[Path | None, typer.Option(help="Local weights (.safetensors/.pth) for MODEL")] = None
+    repeats: Annotated[int, typer.Option(help="Timing rounds per measurement")] = 3
     min_time: Annotated[
         float, typer.Option(help="Seconds each timing runs at least (more rounds for fast calls: steadier medians)")
-    ] = 0.5,
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's)")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing plan file / PNG")] = False,
-) -> None:
+    ] = 0.5
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's)")] = None
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing plan file / PNG")] = False
+
+
+@typer_command(PlanArgs, target_options=False)
+def plan(**options: Any) -> None:
     """Measure MODEL's per-layer sensitivity and latency, and save the plan that meets --budget at the best
     predicted fidelity (apply it with `vca-patch convert MODEL --plan FILE` or `patch_model(m, load_plan(FILE))`)."""
-    png = png or output.with_suffix(".png")
-    ns = [] if contrast_tokens.strip().lower() == "none" else _numbers(contrast_tokens, int, "--contrast-tokens")
-    ks = [] if mano_windows.strip().lower() in ("", "none") else _numbers(mano_windows, int, "--mano-windows")
-    fractions = _numbers(merge_fractions, float, "--merge-fractions")
-    if not budget > 0:
-        raise PlanError(f"--budget must be a positive latency ratio (e.g. 0.5), got {budget}")
-    if images < 1 or eval_images < 0:
+    args, _ = split_options(PlanArgs, options)
+    args.png = args.png or args.output.with_suffix(".png")
+    search = _search_space(args)
+    files = _checked_inputs(args)
+    net = load_base(args.model, pretrained=args.pretrained, weights=args.weights, img_size=args.resolution).eval()
+    check_model_sizes(net, SimpleNamespace(), batch=args.images + args.eval_images,  # candidates past the grid: skipped
+                      what=f"{args.model} at --resolution {args.resolution}")  # fmt: skip
+    calib, held = _images(args, net, files)
+    with console.status(f"Planning {args.model} at {args.resolution} px for {args.budget:g}x latency..."):
+        result = plan_model(
+            net, calib, budget=args.budget, resolution=args.resolution, **search, calibrate=args.calibrate,
+            objective=args.objective, unmerge=args.unmerge, eval_images=held, repeats=args.repeats,
+            min_time=args.min_time, log=console.print,
+        )  # fmt: skip
+    _show(result)
+    _save(args, result)
+
+
+def _search_space(args: PlanArgs) -> dict[str, Any]:
+    """The candidates to weigh per block, from the options; a bad budget, count or mode refused before any work."""
+    ns = (
+        []
+        if args.contrast_tokens.strip().lower() == "none"
+        else _numbers(args.contrast_tokens, int, "--contrast-tokens")
+    )
+    windows = args.mano_windows.strip().lower()
+    ks = [] if windows in ("", "none") else _numbers(args.mano_windows, int, "--mano-windows")
+    fractions = _numbers(args.merge_fractions, float, "--merge-fractions")
+    if not args.budget > 0:
+        raise PlanError(f"--budget must be a positive latency ratio (e.g. 0.5), got {args.budget}")
+    if args.images < 1 or args.eval_images < 0:
         raise PlanError("--images must be at least 1 and --eval-images at least 0")
-    if unmerge not in PLAN_UNMERGE_MODES:
-        raise PlanError(f"--unmerge must be one of {', '.join(PLAN_UNMERGE_MODES)}, got {unmerge!r}")
-    check_bound(resolution, "--resolution", 1, MAX_IMG_SIZE)  # before a position table of that size is built
-    inputs = {"--calibration-data": calibration_data, "--weights file": weights, "MODEL": Path(model)}
-    for option, path in (("-o", output), ("--png", png)):  # never an input; its folder exists; --force to replace
-        check_output(path, inputs, kind="file", force=force, option=option)
-    if output.resolve() == png.resolve():
-        raise PlanError(f"the plan and its PNG are the same file {output}; name another --png")
-    files = image_files(calibration_data)
-    if len(files) < images + eval_images:
+    if args.unmerge not in PLAN_UNMERGE_MODES:
+        raise PlanError(f"--unmerge must be one of {', '.join(PLAN_UNMERGE_MODES)}, got {args.unmerge!r}")
+    check_bound(args.resolution, "--resolution", 1, MAX_IMG_SIZE)  # before a position table of that size is built
+    return {"contrast_tokens": ns, "mano_windows": ks, "local_window": args.local_window, "merge_fractions": fractions}
+
+
+def _checked_inputs(args: PlanArgs) -> list[Path]:
+    """The outputs checked (never an input, their folder exists, --force to replace), the threads set, and the
+    calibration image files, enough for --images and --eval-images."""
+    inputs = {"--calibration-data": args.calibration_data, "--weights file": args.weights, "MODEL": Path(args.model)}
+    for option, path in (("-o", args.output), ("--png", args.png)):
+        check_output(path, inputs, kind="file", force=args.force, option=option)
+    if args.output.resolve() == args.png.resolve():
+        raise PlanError(f"the plan and its PNG are the same file {args.output}; name another --png")
+    files = image_files(args.calibration_data)
+    need = args.images + args.eval_images
+    if len(files) < need:
         raise PlanError(
-            f"--calibration-data {calibration_data} holds {len(files)} images; --images {images} and "
-            f"--eval-images {eval_images} need {images + eval_images}"
+            f"--calibration-data {args.calibration_data} holds {len(files)} images; --images {args.images} and "
+            f"--eval-images {args.eval_images} need {need}"
         )
-    if threads is not None:
-        if threads < 1:
-            raise PlanError(f"--threads must be at least 1, got {threads}")
-        torch.set_num_threads(threads)
-    net = load_base(model, pretrained=pretrained, weights=weights, img_size=resolution).eval()
-    check_model_sizes(net, SimpleNamespace(), batch=images + eval_images,  # candidates past the grid are skipped
-                      what=f"{model} at --resolution {resolution}")  # fmt: skip
+    if args.threads is not None:
+        if args.threads < 1:
+            raise PlanError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    return files
+
+
+def _images(args: PlanArgs, net: torch.nn.Module, files: list[Path]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The calibration images and the held-out ones (None without --eval-images), normalised as the model's."""
     cfg = getattr(net, "pretrained_cfg", None) or {}
     norm = {k: tuple(cfg[k]) for k in ("mean", "std") if k in cfg}
-    calib = load_images(files[:images], resolution, **norm)
-    held = load_images(files[images : images + eval_images], resolution, **norm) if eval_images else None
-    with console.status(f"Planning {model} at {resolution} px for {budget:g}x latency..."):
-        result = plan_model(
-            net, calib, budget=budget, resolution=resolution, contrast_tokens=ns, mano_windows=ks,
-            local_window=local_window, merge_fractions=fractions, calibrate=calibrate, objective=objective,
-            unmerge=unmerge, eval_images=held, repeats=repeats, min_time=min_time, log=console.print,
-        )  # fmt: skip
+    calib = load_images(files[: args.images], args.resolution, **norm)
+    held_files = files[args.images : args.images + args.eval_images]
+    return calib, (load_images(held_files, args.resolution, **norm) if args.eval_images else None)
+
+
+def _show(result: PlanResult) -> None:
     console.print(plan_table(result))
     console.print(summary_table(result))
     warning = over_budget_line(result)
     if warning:
         console.print(f"[yellow]{warning}[/]", highlight=False)
-    with atomic_file(png, suffix=".png") as tmp:
+
+
+def _save(args: PlanArgs, result: PlanResult) -> None:
+    """The Pareto-front PNG and the plan file, each written atomically, and the command that applies the plan."""
+    with atomic_file(args.png, suffix=".png") as tmp:
         series = {
             "merging alone (predicted)": [(c.latency, c.cls) for c in result.merging_front],
             "planner (predicted)": [(c.latency, c.cls) for c in result.front],
         }
         measured = result.measured
-        chosen = (
-            (measured["latency_ratio"], measured["cls_cosine"])
-            if measured
-            else (result.chosen.latency, result.chosen.cls)
-        )
-        draw_front(tmp, series, title=f"{model} at {resolution} px", budget=budget, chosen=chosen)
-        save_plan(output, result.config, result.details(model))
+        chosen = (measured["latency_ratio"], measured["cls_cosine"]) if measured else (result.chosen.latency,
+                                                                                       result.chosen.cls)  # fmt: skip
+        title = f"{args.model} at {args.resolution} px"
+        draw_front(tmp, series, title=title, budget=args.budget, chosen=chosen)
+        save_plan(args.output, result.config, result.details(args.model))
     console.print(
-        f"[bold green]Saved[/] {output} and {png}; apply with: vca-patch convert {model} --plan {output} "
-        f"--img-size {resolution} -o DIR"
+        f"[bold green]Saved[/] {args.output} and {args.png}; apply with: vca-patch convert {args.model} --plan "
+        f"{args.output} --img-size {args.resolution} -o DIR"
     )
