@@ -36,7 +36,7 @@ def _module():
 @pytest.mark.e2e
 def test_dry_run_cpu_runs_every_section_and_writes_their_numbers(tmp_path):
     out = tmp_path / "check.json"
-    proc = _run("--dry-run-cpu", "--in-process", "--output", str(out))
+    proc = _run("--dry-run-cpu", "--in-process", "--output", str(out), timeout=600)  # ~25 s alone
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["ok"] is True and result["meta"]["dry_run_cpu"] is True
