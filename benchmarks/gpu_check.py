@@ -19,7 +19,7 @@ Sections (each runs in its own process under a time cap; one that fails or runs 
 
   deploy         DINOv2-S shapes (2 blocks, random weights): the original (timm's fused SDPA) vs VCA, VCA + local
                  term (k = 11) and MANO, eager / torch.compile(dynamic=True) / the same with CUDA graphs
-                 ("reduce-overhead"), bf16 autocast, 224 / 518 / 1036 / 2048 px: median ms, peak memory, the
+                 ("reduce-overhead"), bf16 autocast, 224 / 518 / 1036 / 2044 px: median ms, peak memory, the
                  converted/original ratios (both compiled the same way) and the token count where each converted
                  model overtakes the original; graph breaks (torch._dynamo.explain), the attention kernels each
                  launches, and the exported ONNX model in onnxruntime's CUDA provider when installed.
@@ -85,7 +85,7 @@ class Plan:
     # deploy: DINOv2-S shapes (width 384, 6 heads, patch 14) at `deploy_depth` blocks, random weights
     deploy_model: str = "vit_small_patch14_dinov2"
     deploy_depth: int = 2
-    deploy_px: dict[int, int] = field(default_factory=lambda: {224: 32, 518: 8, 1036: 2, 2048: 2})  # px -> batch
+    deploy_px: dict[int, int] = field(default_factory=lambda: {224: 32, 518: 8, 1036: 2, 2044: 2})  # px (x14) -> batch
     deploy_modes: tuple[str, ...] = ("eager", "compile", "cudagraphs")
     deploy_compiled: tuple[str, ...] = ("original", "vca", "vca_local11")  # MANO: eager only (compile time)
 
@@ -549,7 +549,7 @@ def _deploy_row(rec: Recorder, plan: Plan, name: str, mode: str, runner, px: int
 
 def section_deploy(rec: Recorder, plan: Plan) -> None:
     """DINOv2-S shapes: original vs VCA, VCA + local term and MANO in eager, compiled and CUDA-graph form (both
-    compiled the same way) at 224 to 2048 px; graph breaks, the attention kernels, crossovers, ONNX on the GPU."""
+    compiled the same way) at 224 to 2044 px; graph breaks, the attention kernels, crossovers, ONNX on the GPU."""
     import torch
 
     device = torch.device(plan.device)
