@@ -4,6 +4,7 @@ from vca_patch._version import __version__
 from vca_patch.checkpoint import save_pretrained
 from vca_patch.core.errors import ConfigError
 from vca_patch.eval.fidelity import FidelityReport, fidelity  # the function shadows the module name on the package
+from vca_patch.formats.llava_sp import load_spatial_tokens, save_spatial_tokens  # registers the built-in formats
 from vca_patch.hub import from_pretrained, push_to_hub
 from vca_patch.layers.layout import TokenLayout
 from vca_patch.planner import load_plan
@@ -15,9 +16,7 @@ from vca_patch.targets.llava_sp import (
     SpatialTokensConfig,
     add_spatial_tokens,
     image_token_count,
-    load_spatial_tokens,
     remove_spatial_tokens,
-    save_spatial_tokens,
 )
 from vca_patch.targets.mano.config import MANOConfig
 from vca_patch.targets.mano.layer import MultipoleAttention

@@ -274,8 +274,8 @@ def _patch_measure_save(args: ConvertArgs, net: torch.nn.Module, config: TargetC
 
 def _convert_llava_sp(args: ConvertArgs, target_values: dict[str, Any]) -> None:
     """`convert --to llava-sp`: add spatial tokens to a LLaVA's projector and save model, tokens and processor."""
+    from vca_patch.formats.llava_sp import convert_to_llava_sp
     from vca_patch.targets.llava_sp import SpatialTokensConfig
-    from vca_patch.targets.llava_sp.convert import convert_to_llava_sp
 
     _check_output(args)
     refuse_other_targets(LLAVA_SP, target_values, _convert_only_options(args))

@@ -1,6 +1,7 @@
-"""Checkpoint formats other than vca-patch's own folder (config.json + model.safetensors), registered by the target
-that writes them: `hub/` and `checkpoint/` recognise, load, push and fetch such folders through this registry and name
-no target. LLaVA-SP's folders (a transformers LLaVA plus spatial_tokens.json) are one."""
+"""Checkpoint formats other than vca-patch's own folder (config.json + model.safetensors), registered by the package
+that writes them (a target's, or `vca_patch.formats` for one that composes a target with surgery or a base model):
+`hub/` recognises, loads, pushes and fetches such folders through this registry and names no target. LLaVA-SP's
+folders (a transformers LLaVA plus spatial_tokens.json) are one."""
 
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ def fetch_format_folder(
     fmt: CheckpointFormat, repo_id: str, revision: str | None, *, cache_dir: str | Path | None, token: str | None
 ) -> Path | None:
     """The cached snapshot folder of a Hub repo of format `fmt` (fetched if needed, pinned to one commit), or None
-    when the repo has no `fmt.marker` file."""
+    when the repo has no `fmt.marker` file (offline: when the cache holds none)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -73,6 +73,10 @@ def fetch_format_folder(
         marker = download_file(repo_id, fmt.marker, revision, cache_dir=cache_dir, token=token, reason=reason)
     except CheckpointError:  # the repo has no marker file: not this format
         return None
+    except HubUnavailableError:
+        if reason is None:  # online, and the fetch failed: say so
+            raise
+        return None  # offline, and no marker of this format in the cache
     folder = marker.parent  # <cache>/models--org--name/snapshots/<commit>/
     fmt.read(folder)  # format and version, before the weights move
     try:

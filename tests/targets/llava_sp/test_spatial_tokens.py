@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from vca_patch.core.errors import ConfigError
+from vca_patch.formats.llava_sp import load_spatial_tokens, save_spatial_tokens
 from vca_patch.targets.llava_sp import (
     CroppingSpatialTokens,
     PoolingSpatialTokens,
@@ -21,9 +22,7 @@ from vca_patch.targets.llava_sp import (
     crop_windows,
     get_spatial_projector,
     image_token_count,
-    load_spatial_tokens,
     remove_spatial_tokens,
-    save_spatial_tokens,
 )
 from vca_patch.targets.llava_sp.tiny import IMAGE_TOKEN_ID, tiny_llava, tiny_processor
 
@@ -359,7 +358,7 @@ def test_dtype_follows_the_projector():
 
 
 def test_convert_function_for_the_cli(tmp_path):
-    from vca_patch.targets.llava_sp.convert import convert_to_llava_sp
+    from vca_patch.formats.llava_sp import convert_to_llava_sp
 
     source = tmp_path / "llava"
     tiny_llava().save_pretrained(source)

@@ -15,12 +15,11 @@ from tests.support.hub import go_offline
 from vca_patch import VCAConfig, patch_model
 from vca_patch.checkpoint.folder import CheckpointError
 from vca_patch.cli import app
+from vca_patch.formats.llava_sp import load_spatial_tokens, save_spatial_tokens
 from vca_patch.targets.llava_sp import (
     SpatialTokensConfig,
     add_spatial_tokens,
     get_spatial_projector,
-    load_spatial_tokens,
-    save_spatial_tokens,
 )
 from vca_patch.targets.llava_sp.tiny import IMAGE_TOKEN_ID, tiny_llava, tiny_processor
 

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from vca_patch import VCAConfig, patch_model
 from vca_patch.cli import app
-from vca_patch.targets.llava_sp import SpatialTokensConfig, add_spatial_tokens, save_spatial_tokens
+from vca_patch.formats.llava_sp import save_spatial_tokens
+from vca_patch.targets.llava_sp import SpatialTokensConfig, add_spatial_tokens
 from vca_patch.targets.llava_sp.plan import plan_spatial_tokens, projector_rows
 from vca_patch.targets.llava_sp.tiny import tiny_llava
 

@@ -10,15 +10,14 @@ import torch
 from tests.support.paths import RECIPES
 from vca_patch import VCAConfig, patch_model, unpatch_model
 from vca_patch.core.errors import ConfigError
+from vca_patch.formats.llava_sp import load_spatial_tokens, save_spatial_tokens
 from vca_patch.targets.llava_sp import (
     SpatialTokensConfig,
     add_spatial_tokens,
     apply_stage2_lora,
     caption_batch,
     get_spatial_projector,
-    load_spatial_tokens,
     remove_spatial_tokens,
-    save_spatial_tokens,
     stage1_parameters,
     stage2_param_groups,
 )

@@ -1,8 +1,11 @@
-"""LLaVA-SP (arXiv 2507.00505): visual spatial tokens in front of a LLaVA model's projected patch tokens."""
+"""LLaVA-SP (arXiv 2507.00505): visual spatial tokens in front of a LLaVA model's projected patch tokens.
 
-from vca_patch.targets.llava_sp import format as _format  # noqa: F401  (registers the LLaVA-SP checkpoint format)
+Its saved folders (`save_spatial_tokens`, `load_spatial_tokens`, the `--to llava-sp` conversion) are a checkpoint
+format that composes these tokens with surgery and loading, so they live a layer up, in `vca_patch.formats.llava_sp`.
+"""
+
 from vca_patch.targets.llava_sp.config import SpatialTokensConfig
-from vca_patch.targets.llava_sp.io import load_spatial_tokens, read_spatial_tokens_config, save_spatial_tokens
+from vca_patch.targets.llava_sp.io import read_spatial_tokens_config
 from vca_patch.targets.llava_sp.layer import CroppingSpatialTokens, PoolingSpatialTokens, crop_windows
 from vca_patch.targets.llava_sp.model import (
     SpatialTokensError,
@@ -29,11 +32,9 @@ __all__ = [
     "crop_windows",
     "get_spatial_projector",
     "image_token_count",
-    "load_spatial_tokens",
     "plan_spatial_tokens",
     "read_spatial_tokens_config",
     "remove_spatial_tokens",
-    "save_spatial_tokens",
     "stage1_parameters",
     "stage2_param_groups",
 ]

@@ -40,7 +40,7 @@ class SpatialTokensReport:
         )
 
 
-def _llava_core(model: nn.Module) -> nn.Module:
+def llava_core(model: nn.Module) -> nn.Module:
     """The `LlavaModel` inside `model` (itself, a LlavaForConditionalGeneration's `.model`, or under a PEFT
     wrapper), refusing, with the reason, the models whose image features cannot take extra tokens."""
     config = getattr(model, "config", None)
@@ -66,7 +66,7 @@ def _llava_core(model: nn.Module) -> nn.Module:
 
 def get_spatial_projector(model: nn.Module) -> SpatialTokenProjector | None:
     """The model's spatial-token projector, or None if it has none."""
-    projector = _llava_core(model).multi_modal_projector
+    projector = llava_core(model).multi_modal_projector
     return projector if isinstance(projector, SpatialTokenProjector) else None
 
 
@@ -163,7 +163,7 @@ def add_spatial_tokens(model: nn.Module, config: SpatialTokensConfig | None = No
     `image_token_count(model, processor)`.
     """
     config = config or SpatialTokensConfig()
-    core = _llava_core(model)
+    core = llava_core(model)
     projector = core.multi_modal_projector
     _check_projector(projector)
     grid, prefix = _grid(core), _feature_prefix(core)
@@ -195,7 +195,7 @@ def add_spatial_tokens(model: nn.Module, config: SpatialTokensConfig | None = No
 
 def remove_spatial_tokens(model: nn.Module) -> nn.Module:
     """Put the original projector back (the same module objects: outputs are bit-identical to before)."""
-    core = _llava_core(model)
+    core = llava_core(model)
     projector = core.multi_modal_projector
     if not isinstance(projector, SpatialTokenProjector):
         raise SpatialTokensError("the model has no spatial tokens to remove")
@@ -212,7 +212,7 @@ def image_token_count(model: nn.Module, processor: Any = None) -> int:
     With a `LlavaProcessor`, also sets its `num_additional_image_tokens` so it expands <image> to that count
     (idempotent; call it again after remove_spatial_tokens).
     """
-    core = _llava_core(model)
+    core = llava_core(model)
     grid = _grid(core)
     projector = core.multi_modal_projector
     if isinstance(projector, SpatialTokenProjector):

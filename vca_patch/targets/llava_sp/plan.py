@@ -19,9 +19,9 @@ from vca_patch.targets.llava_sp.model import (
     _check_projector,
     _feature_prefix,
     _grid,
-    _llava_core,
     get_spatial_projector,
     image_token_count,
+    llava_core,
 )
 
 
@@ -30,7 +30,7 @@ def plan_spatial_tokens(model: nn.Module, config: SpatialTokensConfig | None = N
     built on the meta device, so CLIP-L's 0.77-0.90 B parameters cost no memory). Raises SpatialTokensError as
     add_spatial_tokens would."""
     config = config or SpatialTokensConfig()
-    core = _llava_core(model)
+    core = llava_core(model)
     projector = core.multi_modal_projector
     _check_projector(projector)
     grid, prefix = _grid(core), _feature_prefix(core)
@@ -57,7 +57,7 @@ def projector_rows(model: nn.Module, source: str | Path | None = None) -> list[d
     folder has, else what each variant would add, else why the model cannot take them; None for a model that is
     not a LLaVA."""
     try:
-        core = _llava_core(model)
+        core = llava_core(model)
     except SpatialTokensError as exc:
         return [{"module": "multi_modal_projector", "action": f"refuse: {exc}"}] if _is_llava_like(model) else None
     path = "model.multi_modal_projector" if core is not model else "multi_modal_projector"

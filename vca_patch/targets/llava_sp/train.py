@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vca_patch.targets.llava_sp.model import SpatialTokensError, _llava_core, get_spatial_projector, image_token_count
+from vca_patch.targets.llava_sp.model import SpatialTokensError, get_spatial_projector, image_token_count, llava_core
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -77,7 +77,7 @@ def caption_batch(model: nn.Module, captions: torch.Tensor, *, bos_token_id: int
 
     `captions` is [B, T] token ids; the image-token count is the model's current one (spatial tokens included).
     """
-    core = _llava_core(model)
+    core = llava_core(model)
     count = image_token_count(model)
     batch = captions.shape[0]
     parts = [torch.full((batch, count), core.config.image_token_id, dtype=torch.long, device=captions.device)]

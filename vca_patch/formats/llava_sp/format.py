@@ -1,6 +1,5 @@
-"""LLaVA-SP's checkpoint format (`core.formats`): a transformers LLaVA folder plus spatial_tokens.json and the spatial
-tokens' weights, saved by `save_spatial_tokens`. `vca_patch.push_to_hub` and `vca_patch.from_pretrained` reach these
-folders through the registry."""
+"""LLaVA-SP's checkpoint format, registered with `core.formats`: `vca_patch.push_to_hub` and
+`vca_patch.from_pretrained` reach its folders through the registry, never by name."""
 
 from __future__ import annotations
 
@@ -11,13 +10,9 @@ import torch
 from torch import nn
 
 from vca_patch.core.formats import CheckpointFormat, register_format
+from vca_patch.formats.llava_sp.folder import load_spatial_tokens, save_spatial_tokens
 from vca_patch.targets.llava_sp.card import render_card
-from vca_patch.targets.llava_sp.io import (
-    CONFIG_FILE,
-    load_spatial_tokens,
-    read_spatial_tokens_config,
-    save_spatial_tokens,
-)
+from vca_patch.targets.llava_sp.io import CONFIG_FILE, read_spatial_tokens_config
 from vca_patch.targets.llava_sp.model import SpatialTokensError, get_spatial_projector
 
 
@@ -38,13 +33,6 @@ def _save(model: nn.Module, folder: Path, metadata: dict[str, Any] | None) -> Pa
 def _load(folder: Path, device: str | torch.device) -> nn.Module:
     """A LLaVA-SP folder as `from_pretrained` returns models: on `device`, in eval mode."""
     return load_spatial_tokens(folder).to(device).eval()
-
-
-def _check(folder: Path) -> dict[str, Any]:
-    """spatial_tokens.json of `folder`, after loading the folder as users will."""
-    meta = read_spatial_tokens_config(folder)
-    load_spatial_tokens(folder)
-    return meta
 
 
 def _commit_message(meta: dict[str, Any]) -> str:

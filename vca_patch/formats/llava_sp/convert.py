@@ -6,8 +6,8 @@ from pathlib import Path
 
 from vca_patch.checkpoint import load_base_model
 from vca_patch.core.atomic import check_output_dir
+from vca_patch.formats.llava_sp.folder import save_spatial_tokens
 from vca_patch.targets.llava_sp.config import SpatialTokensConfig
-from vca_patch.targets.llava_sp.io import save_spatial_tokens
 from vca_patch.targets.llava_sp.model import SpatialTokensReport, add_spatial_tokens
 
 
