@@ -14,8 +14,8 @@ from vca_patch.train.optim import StageScheduler, stage_optimizer
 from vca_patch.train.recipe import StageSpec
 
 STAGE = StageSpec(
-    name="d", kind="distill", steps=12, lr=1e-3, lambda_lr=1e-4, carried_lr=2e-4, rest_lr=5e-5,
-    warmup_steps=3, min_lr_ratio=0.1, weight_decay=0.05,
+    name="d", kind="distill", steps=12, lr=1e-3, carried_lr=2e-4, rest_lr=5e-5,
+    warmup_steps=3, min_lr_ratio=0.1, weight_decay=0.05, options={"lambda_lr": 1e-4},
 )  # fmt: skip
 
 
@@ -38,7 +38,7 @@ def model() -> torch.nn.Module:
 
 def test_every_group_follows_its_own_warmup_cosine_schedule(model):
     optimizer = stage_optimizer(model, STAGE)
-    base = {"new": STAGE.lr, "lambda": STAGE.lambda_lr, "carried": STAGE.carried_lr, "rest": STAGE.rest_lr}
+    base = {"new": STAGE.lr, "lambda": STAGE.options["lambda_lr"], "carried": STAGE.carried_lr, "rest": STAGE.rest_lr}
     assert [g["group"] for g in optimizer.param_groups] == ["new", "lambda", "carried", "rest"]
     scheduler = StageScheduler(optimizer, STAGE)
     for t in range(STAGE.steps + 2):
@@ -77,4 +77,4 @@ def test_transfer_freezes_everything_outside_attention(model):
     assert "rest" not in [g["group"] for g in optimizer.param_groups]
     assert not model.head.weight.requires_grad and not model.patch_embed.proj.weight.requires_grad
     with pytest.raises(ValueError, match="trains nothing"):
-        stage_optimizer(model, StageSpec(name="z", kind="distill", steps=2, lr=0.0, lambda_lr=0.0))
+        stage_optimizer(model, StageSpec(name="z", kind="distill", steps=2, lr=0.0, options={"lambda_lr": 0.0}))

@@ -12,6 +12,7 @@ from vca_patch.targets.vca.training import lambda_parameters
 from vca_patch.train import recipe_from_dict
 from vca_patch.train.objective import STAGE_LOSSES
 from vca_patch.train.params import guard_parameters, parameter_groups, parameter_trace
+from vca_patch.train.recipe import TrainSpec
 from vca_patch.train.tasks import TASKS, Task, register_task, task_for, task_name
 
 STAGES = [{"name": "s", "kind": "distill", "steps": 1}]
@@ -43,9 +44,9 @@ def test_register_task_adds_the_task_and_its_losses():
 def test_target_training_hooks_default_to_nothing():
     config = TargetConfig()
     model = torch.nn.Linear(2, 2)
-    assert config.parameter_groups(model) == {} and config.guard_parameters(model, 0.9) == 0
+    assert config.parameter_groups(model) == {} and config.guard_parameters(model, None) == 0
     assert config.parameter_trace(model) == {}
-    assert guard_parameters(model, 0.9) == 0 and parameter_trace(model) == {}  # not patched: no target
+    assert guard_parameters(model, TrainSpec()) == 0 and parameter_trace(model) == {}  # not patched: no target
 
 
 def test_vca_hooks_group_trace_and_guard_lambda():
@@ -60,4 +61,5 @@ def test_vca_hooks_group_trace_and_guard_lambda():
     with torch.no_grad():
         lam.q1.add_(lam.k1 / lam.k1.norm() ** 2 * 3.0)  # exp⟨q1, k1⟩ grows by e³: λ₂ far above 0.95
     assert float(lam().detach()) > 0.95
-    assert guard_parameters(model, 0.95) == 1 and float(lam().detach()) == pytest.approx(0.95, abs=1e-5)
+    assert guard_parameters(model, TrainSpec(options={"lambda_max": 0.95})) == 1
+    assert float(lam().detach()) == pytest.approx(0.95, abs=1e-5)

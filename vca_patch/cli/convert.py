@@ -28,9 +28,9 @@ from vca_patch.cli.common import (
 )
 from vca_patch.cli.errors import hold
 from vca_patch.cli.fidelity import (
-    CALIBRATED_TARGETS,
     SKIP_HELP,
     calibrate_for_convert,
+    calibrated_targets,
     check_calibration_splits,
     summary_table,
 )
@@ -51,7 +51,6 @@ from vca_patch.families.diffusers import probe as dfp
 from vca_patch.families.diffusers import source as dfs
 from vca_patch.surgery import get_patch_state, patch_model
 from vca_patch.targets.base import CONFIG_TYPES, TargetConfig
-from vca_patch.targets.merge import MergeConfig
 
 LLAVA_SP = "llava-sp"  # not a registered target: its own command path, `_convert_llava_sp`
 CHECKPOINT_FILES = (CONFIG_NAME, CARD_NAME, *FORMS.values())  # what a checkpoint folder holds
@@ -144,7 +143,7 @@ def convert(**options: Any) -> None:
 def _check_sizes(args: ConvertArgs, net: torch.nn.Module, config: TargetConfig) -> None:
     """From the built model's shapes, before any forward pass: a plan made for this resolution and grid, contrast
     tokens within the grid, an input of whole patches, and activations that fit this machine's memory."""
-    if args.plan is not None and isinstance(config, MergeConfig):
+    if args.plan is not None:  # `load_plan` gave the plan space's config: check it fits this model's grid
         from vca_patch.core.model_io import model_input_size
         from vca_patch.planner import check_plan_fits
         from vca_patch.surgery import inspect_model
@@ -193,7 +192,8 @@ def _convert_only_options(args: ConvertArgs) -> dict[str, tuple[bool, tuple[str,
         "--eval-split": args.eval_split != "test",
         "--grow-tokens": args.grow_tokens is not None,
     }
-    return {"--packed": (args.packed, packers)} | {k: (v, CALIBRATED_TARGETS) for k, v in calibration.items()}
+    calibrated = calibrated_targets()
+    return {"--packed": (args.packed, packers)} | {k: (v, calibrated) for k, v in calibration.items()}
 
 
 def _check_calibration_options(args: ConvertArgs) -> None:

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from vca_patch.bench.report import write_json
 from vca_patch.cli.common import DEVICE_HELP, DTYPE_HELP, console, fail, resolve_device, resolve_dtype
-from vca_patch.targets import CONFIG_TYPES, TargetConfig
+from vca_patch.targets import CONFIG_TYPES
 
 KINDS = ("fashion_mnist", "imagefolder", "hf")
 
@@ -201,9 +201,11 @@ def summary_table(summary: dict[str, float], title: str = "Fidelity to the origi
     return table
 
 
-CALIBRATED_TARGETS = tuple(  # the targets `calibrate_for_convert` calibrates (its --calibration-data etc.)
-    name for name, cls in CONFIG_TYPES.items() if cls.calibrate_layer is not TargetConfig.calibrate_layer
-)
+def calibrated_targets() -> tuple[str, ...]:
+    """The registered targets that `calibrate_for_convert` calibrates (those that declare calibration options),
+    which --calibration-data, --split, --eval-split and --grow-tokens apply to; read when a command runs, so a
+    target registered later counts too."""
+    return tuple(name for name, cls in CONFIG_TYPES.items() if cls.calibration_options is not None)
 
 
 def calibrate_for_convert(

@@ -1,4 +1,7 @@
-"""Cost of a plan: tokens per block, the FLOP model's MACs, and a latency model from measured block timings."""
+"""Cost of a plan: tokens per block, the FLOP model's MACs, and a latency model from measured block timings.
+
+The token arithmetic, the per-block MAC counts and every config timed here come from the plan space
+(`targets.base.plan_space()`: token merging's, with VCA and MANO blocks)."""
 
 from __future__ import annotations
 
@@ -10,33 +13,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from vca_patch.bench.flops import AttentionShape
 from vca_patch.bench.timing import median, time_interleaved
 from vca_patch.eval.final_tokens import final_tokens
 from vca_patch.layers.layout import TokenLayout
+from vca_patch.layers.macs import AttentionShape
 from vca_patch.planner.model_info import ModelInfo
 from vca_patch.surgery import get_patch_state, patch_model
-from vca_patch.targets.base import TargetConfig
-from vca_patch.targets.mano.config import MANOConfig
-from vca_patch.targets.mano.macs import mano_attention_macs
-from vca_patch.targets.merge import MergeConfig
-from vca_patch.targets.vca.config import VCAConfig
-from vca_patch.targets.vca.macs import vca_attention_macs
-
-
-def merged_away(tokens: int, prefix: int, r: int) -> int:
-    """Tokens one merge of `r` removes from `tokens` (bipartite matching caps it at the A set)."""
-    patches = tokens - prefix
-    limit = (patches + 1) // 2 if patches >= 2 else 0
-    return max(0, min(r, limit))
+from vca_patch.targets.base import TargetConfig, plan_space
 
 
 def token_counts(info: ModelInfo, resolution: int, schedule: Sequence[int]) -> list[int]:
-    """Tokens entering each block under a merge schedule (r per block)."""
-    tokens, counts = info.tokens(resolution), []
+    """Tokens entering each block under a merge schedule (r per block; the plan space's `tokens_removed`)."""
+    space, tokens, counts = plan_space(), info.tokens(resolution), []
     for i in range(info.depth):
         counts.append(tokens)
-        tokens -= merged_away(tokens, info.num_prefix_tokens, schedule[i] if i < len(schedule) else 0)
+        tokens -= space.tokens_removed(tokens, info.num_prefix_tokens, schedule[i] if i < len(schedule) else 0)
     return counts
 
 
@@ -49,21 +40,19 @@ def plan_macs(
     *,
     local_window: int = 0,
 ) -> float:
-    """MACs of the blocks (FLOP model of bench/flops.py: 2·N²·C softmax, VCA's linear count with its local term of
-    `local_window` when > 0, MANO's count of attention/mano_macs.py with the default MANOConfig at window k,
-    token-wise Linears)."""
-    grid = info.grid(resolution)
-    mano_layers = mano_layers or {}
+    """MACs of the blocks (FLOP model of bench/flops.py: 2·N²·C softmax, token-wise Linears, and each VCA(n) or
+    MANO(k) block's count from the plan space's block kinds: VCA's with its local term of `local_window` when > 0,
+    training-free MANO's at window k)."""
+    space = plan_space()
+    shape = AttentionShape(info.num_prefix_tokens, info.grid(resolution), info.dim, info.num_heads)
+    blocks = {i: (space.kind(kind), value) for kind, layers in (("mano", mano_layers), ("vca", vca_layers))
+              for i, value in (layers or {}).items()}  # fmt: skip
     total = 0.0
     for i, tokens in enumerate(token_counts(info, resolution, schedule)):
         total += tokens * info.linear_macs_per_token
-        if i in vca_layers:
-            shape = AttentionShape(info.num_prefix_tokens, grid, info.dim, info.num_heads)
-            total += vca_attention_macs(shape, vca_layers[i], exact_prefix=True, local_window=local_window)
-        elif i in mano_layers:
-            total += mano_attention_macs(  # training-free MANO: U = 0, the coarse levels skipped
-                info.num_prefix_tokens, grid, info.dim, window=mano_layers[i], coarse=False
-            )
+        if i in blocks:
+            kind, value = blocks[i]
+            total += kind.macs(shape, value, local_window=local_window)
         else:
             total += 2.0 * tokens**2 * info.dim
     return total
@@ -161,12 +150,14 @@ def measure_latency_table(
     layout = TokenLayout(prefix, info.grid(resolution))
     # (config of a converted twin, {timing name: input of its first block}); merging one token, timed at every
     # token count, costs the matching's overhead alone
+    space = plan_space()
+    kinds = ((space.kind("vca"), contrast_tokens, local_window), (space.kind("mano"), mano_windows, 0))
     converted: list[tuple[TargetConfig, dict[str, torch.Tensor]]] = [
-        (VCAConfig(contrast_tokens=n, layers=[0], local_window=local_window), {f"vca:{n}": x_full})
-        for n in contrast_tokens
+        (kind.config(value, [0], calibrate=None, local_window=window), {f"{kind.name}:{value}": x_full})
+        for kind, values, window in kinds
+        for value in values
     ]
-    converted += [(MANOConfig(window=k, layers=[0]), {f"mano:{k}": x_full}) for k in mano_windows]
-    merging = MergeConfig(schedule=[1] + [0] * (info.depth - 1), unmerge=unmerge)
+    merging = space.schedule_config([1] + [0] * (info.depth - 1), unmerge=unmerge)
     converted.append((merging, {f"merge:{t}": x for t, x in inputs.items()}))
     twins = []  # kept alive while timing
     for config, timed in converted:
@@ -174,8 +165,8 @@ def measure_latency_table(
         patch_model(twin, config)
         twins.append(twin)
         twin_block, tracker = info.blocks(twin)[0], get_patch_state(twin).tracker
-        if isinstance(config, MergeConfig):  # its block unmerges too: a residual unmerge undoes every merge once
-            twin_block.forward.last = True
+        if config is merging:  # its block does the end-of-model work too (the unmerge)
+            space.mark_timed_block(twin_block)
         for key, x in timed.items():
 
             def run(b=twin_block, t=tracker, x=x):

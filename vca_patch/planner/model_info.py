@@ -10,7 +10,7 @@ from torch import nn
 
 from vca_patch.core.errors import ConfigError
 from vca_patch.surgery import inspect_model
-from vca_patch.targets.merge import MergeConfig
+from vca_patch.targets.base import plan_space
 
 
 class PlanError(ConfigError):
@@ -53,9 +53,12 @@ _FINAL_NORMS = ("norm", "layernorm")  # timm VisionTransformer, transformers Din
 def model_info(model: nn.Module) -> ModelInfo:
     """Read `model` (refusing one token merging cannot convert, with the reason)."""
     try:
-        report = inspect_model(model, MergeConfig(r=0))
+        report = inspect_model(model, plan_space().survey_config())
     except ValueError as error:
         raise PlanError(f"the planner needs a model token merging can convert: {error}") from error
+    if not report.patched:  # nothing to convert: every candidate skipped, with why
+        reasons = "; ".join(f"{s.path or type(model).__name__}: {s.reason}" for s in report.skipped[:3])
+        raise PlanError(f"the planner needs a model token merging can convert; {type(model).__name__}: {reasons}")
     sites = sorted(report.patched, key=lambda s: s.layer_index)
     blocks = tuple(s.path.rpartition(".")[0] for s in sites)
     block = model.get_submodule(blocks[0])

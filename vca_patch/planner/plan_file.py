@@ -1,4 +1,5 @@
-"""Plan files: the chosen plan as a `MergeConfig` (what `patch_model` applies) plus what the planner measured."""
+"""Plan files: the chosen plan as the plan space's config (token merging's: what `patch_model` applies) plus what
+the planner measured."""
 
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ from typing import Any
 from vca_patch.core.atomic import atomic_write_text
 from vca_patch.core.errors import ConfigError
 from vca_patch.planner.model_info import PlanError
-from vca_patch.targets.base import TargetConfig
-from vca_patch.targets.merge import MergeConfig
+from vca_patch.targets.base import TargetConfig, plan_space
 
 FORMAT = "vca-patch-plan"
 VERSION = 1
 
 
-def save_plan(path: str | Path, config: MergeConfig, details: dict[str, Any]) -> Path:
+def save_plan(path: str | Path, config: TargetConfig, details: dict[str, Any]) -> Path:
     """Write the plan atomically (a file that exists is whole); `details` is JSON-safe."""
     path = Path(path)
     if not path.parent.is_dir():
@@ -43,27 +43,28 @@ def read_plan(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_plan(path: str | Path) -> MergeConfig:
+def load_plan(path: str | Path) -> TargetConfig:
     """The plan's config, for `patch_model(model, load_plan(path))`; it refuses a model the plan was not made for."""
     data = read_plan(path)
     try:
         config = TargetConfig.from_dict(data["config"])
     except (ConfigError, TypeError) as error:
         raise PlanError(f"{path}: invalid plan config: {error}") from None
-    if not isinstance(config, MergeConfig):
-        raise PlanError(f"{path}: a plan's config is a merge config (target 'merge'), got target {config.target!r}")
+    space = plan_space()
+    if not isinstance(config, space.config_type):
+        wanted = f"a {space.target} config (target {space.target!r})"
+        raise PlanError(f"{path}: a plan's config is {wanted}, got target {config.target!r}")
     _check_recorded_sizes(config, data.get("model"), path)
     return config
 
 
-def plan_sizes(config: MergeConfig, depth: int | None = None) -> tuple[int, int]:
-    """(tokens the plan merges in all, its largest VCA contrast-token count n) (0 where none); `r` counts once per
-    block of a `depth`-block model when no schedule is given."""
-    merged = sum(config.schedule) if config.schedule is not None else config.r * (depth or 0)
-    return merged, max((config.vca_layers or {}).values(), default=0)
+def plan_sizes(config: TargetConfig, depth: int | None = None) -> tuple[int, int]:
+    """(tokens the plan merges in all, its largest VCA contrast-token count n) (0 where none): the plan space's
+    `plan_sizes`; `r` counts once per block of a `depth`-block model when no schedule is given."""
+    return plan_space().plan_sizes(config, depth)
 
 
-def _check_recorded_sizes(config: MergeConfig, model: Any, path: str | Path) -> None:
+def _check_recorded_sizes(config: TargetConfig, model: Any, path: str | Path) -> None:
     """A plan's own numbers against the grid it records: no more tokens merged or contrast tokens pooled than
     the patches it was made for (an old plan without the record is checked against the model when applied)."""
     if not isinstance(model, dict):
@@ -82,7 +83,7 @@ def _check_recorded_sizes(config: MergeConfig, model: Any, path: str | Path) -> 
 
 
 def check_plan_fits(
-    path: str | Path, config: MergeConfig, resolution: tuple[int, int], grid: tuple[int, int]
+    path: str | Path, config: TargetConfig, resolution: tuple[int, int], grid: tuple[int, int]
 ) -> str | None:
     """Refuse a plan applied at another resolution than it was made for, or that merges more tokens (or pools
     more contrast tokens) than the model's `grid` of patches has; a plan that does not record its resolution

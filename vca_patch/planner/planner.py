@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vca_patch.core.errors import ConfigError
 from vca_patch.eval.final_tokens import fidelity, latency, tokens
 from vca_patch.planner.costs import LatencyTable, measure_latency_table
 from vca_patch.planner.images import split_for_measurement
@@ -18,14 +19,12 @@ from vca_patch.planner.search import OBJECTIVES, Candidate, candidates, choose, 
 from vca_patch.planner.sensitivity import Sensitivity, measure_sensitivity
 from vca_patch.recovery.calibrate import calibrate as calibrate_model
 from vca_patch.surgery import patch_model
-from vca_patch.targets.merge import MergeConfig
-from vca_patch.targets.merge.config import UNMERGE_MODES
-from vca_patch.targets.vca.neighbourhood import is_local_window
+from vca_patch.targets.base import TargetConfig, plan_space
 
 DEFAULT_CONTRAST_TOKENS = (16, 49)
 DEFAULT_MERGE_FRACTIONS = (0.3, 0.5, 0.7, 0.85, 0.95)
 DEFAULT_MANO_WINDOWS = (7,)
-PLAN_UNMERGE_MODES = ("auto", *UNMERGE_MODES)
+PLAN_UNMERGE_MODES = ("auto", *plan_space().unmerge_modes)
 LATENCY_SLACK = 0.05  # finalists may be predicted this much (relative) over the budget: their measured time decides
 
 
@@ -45,7 +44,7 @@ def planned_unmerge(objective: str, unmerge: str = "auto") -> str:
 class PlanResult:
     """The chosen plan, every candidate, both fronts and what was measured."""
 
-    config: MergeConfig
+    config: TargetConfig  # the plan space's config (token merging's)
     chosen: Candidate
     candidates: list[Candidate]
     front: list[Candidate]
@@ -94,38 +93,35 @@ class PlanResult:
         }
 
 
-def _plan_vca_options(candidate: Candidate, calibrate: bool) -> dict[str, Any]:
-    """The VCAConfig options of a plan's VCA blocks: token magnitude when calibrated, and its local term."""
-    if not candidate.vca_layers:
-        return {}
-    options: dict[str, Any] = {"token_magnitude": True} if calibrate else {}
-    return {**options, "local_window": candidate.local_window} if candidate.local_window else options
+def plan_config(
+    candidate: Candidate, info: ModelInfo, *, calibrate: bool = True, unmerge: str = "copy"
+) -> TargetConfig:
+    """The plan space's config that applies `candidate` (and refuses other models): its VCA blocks with the
+    per-token gain when calibrated, and the candidate's local term."""
+    return plan_space().plan_config(
+        list(candidate.schedule), candidate.blocks, calibrate=calibrate, local_window=candidate.local_window,
+        expect=info.expect(), unmerge=unmerge,
+    )  # fmt: skip
 
 
-def plan_config(candidate: Candidate, info: ModelInfo, *, calibrate: bool = True, unmerge: str = "copy") -> MergeConfig:
-    """The MergeConfig that applies `candidate` (and refuses other models)."""
-    return MergeConfig(
-        schedule=list(candidate.schedule),
-        vca_layers=dict(candidate.vca_layers) or None,
-        mano_layers=dict(candidate.mano_layers) or None,
-        vca=_plan_vca_options(candidate, calibrate),
-        expect=info.expect(),
-        unmerge=unmerge,
-    )
-
-
-def apply_plan(model: nn.Module, config: MergeConfig, calibration: torch.Tensor | None = None) -> nn.Module:
-    """Patch `model` with the plan, in place; calibrate its VCA blocks on `calibration` images when given (MANO
-    blocks keep their preserving init)."""
+def apply_plan(model: nn.Module, config: TargetConfig, calibration: torch.Tensor | None = None) -> nn.Module:
+    """Patch `model` with the plan, in place; calibrate the blocks that calibrate (VCA) on `calibration` images when
+    given (MANO blocks keep their preserving init)."""
     patch_model(model, config)
-    if calibration is not None and config.vca_layers:
+    if calibration is not None and any(config.calibrates(module) for module in model.modules()):
         calibrate_model(model, [calibration])
     return model
 
 
+def _calibrates(candidate: Candidate) -> bool:
+    """Whether `candidate` has blocks of a kind that calibrates."""
+    space = plan_space()
+    return any(space.kind(kind).calibrates for kind, layers in candidate.blocks.items() if layers)
+
+
 def measure_plan(
     model: nn.Module,
-    config: MergeConfig,
+    config: TargetConfig,
     images: torch.Tensor,
     resolution: int,
     *,
@@ -241,7 +237,7 @@ def choose_measured(
             continue
         reference = tokens(model, held_out, 8) if reference is None else reference
         config = plan_config(cand, info, calibrate=calibrate, unmerge=unmerge)
-        twins[name] = apply_plan(copy.deepcopy(model), config, fit if config.vca_layers else None)
+        twins[name] = apply_plan(copy.deepcopy(model), config, fit if _calibrates(cand) else None)
         measured[name] = plan_fidelity(twins[name], held_out, reference)
     if twins:
         resolution = int(images.shape[-1])
@@ -305,10 +301,10 @@ def plan_model(
     `images` (calibration, [B, 3, resolution, resolution]) measure each candidate's loss and calibrate VCA;
     the chosen plan is then applied to a copy and measured on `eval_images` (default: `images`). `contrast_tokens`
     (VCA n) and `mano_windows` (MANO k) are the per-block options besides softmax; empty: not an option. VCA blocks
-    carry a local term of window `local_window` when > 0 (odd: `VCAConfig.local_window`; timed and measured with it,
+    carry a local term of window `local_window` when > 0 (odd: VCA's `local_window`; timed and measured with it,
     so the search weighs its cost and its fidelity). A MANO window whose measured block is not faster than a softmax
     block at the full grid is timed only (the search could never pick it), so its sensitivity is not measured.
-    `unmerge` (MergeConfig's "copy" or "residual", or "auto": `planned_unmerge`) is how merged tokens return at the
+    `unmerge` (token merging's "copy" or "residual", or "auto": `planned_unmerge`) is how merged tokens return at the
     end; merging is timed and measured with it. Every timing runs `repeats` rounds at least and until it has
     `min_time` seconds (batch-1 times of a few ms are noisy).
     """
@@ -324,8 +320,10 @@ def plan_model(
         raise PlanError(f"merge fractions must lie in (0, 1), got {list(merge_fractions)}")
     if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in mano_windows):
         raise PlanError(f"MANO windows must be positive integers (window side k), got {list(mano_windows)}")
-    if not is_local_window(local_window):
-        raise PlanError(f"local_window must be 0 (none) or an odd window side (3, 5, 7, ...), got {local_window!r}")
+    try:
+        plan_space().check_settings(local_window=local_window)
+    except ConfigError as error:
+        raise PlanError(str(error)) from None
     info = model_info(model)
     info.grid(resolution)
     starts = sorted(set(merge_starts if merge_starts is not None else range(0, info.depth, max(1, info.depth // 4))))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from vca_patch.planner.costs import LatencyTable, plan_macs
 from vca_patch.planner.model_info import ModelInfo, PlanError
 from vca_patch.planner.sensitivity import Sensitivity
+from vca_patch.targets.base import plan_space
 
 OBJECTIVES = ("cls", "patch", "both")
 
@@ -38,6 +39,11 @@ class Candidate:
     @property
     def merging_only(self) -> bool:
         return not self.vca_layers and not self.mano_layers
+
+    @property
+    def blocks(self) -> dict[str, dict[int, int]]:
+        """{block kind: {block: value}}, by the plan space's kind names."""
+        return {"vca": dict(self.vca_layers), "mano": dict(self.mano_layers)}
 
     def describe(self) -> str:
         merging = [(i, r) for i, r in enumerate(self.schedule) if r]
@@ -95,7 +101,7 @@ def _moves(block: int, current: Option | None, options: Sequence[Option], sens: 
     for kind, value in options:
         if (block, value) not in sens.of(kind) or current == (kind, value):
             continue
-        if current is not None and current[0] == kind == "vca" and value >= current[1]:
+        if current is not None and current[0] == kind and value >= current[1] and plan_space().kind(kind).shrinks:
             continue
         out.append((kind, value))
     return out

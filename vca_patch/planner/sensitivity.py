@@ -6,7 +6,8 @@
 * merging r tokens per block from block j to the last (the ToMe schedule, started at depth j).
 
 Each is run from the original's hidden state at the first block it changes (teacher-forced up to there), and
-scored against the original's final tokens: the losses 1 − CLS cosine and 1 − mean patch-token cosine.
+scored against the original's final tokens: the losses 1 − CLS cosine and 1 − mean patch-token cosine. The configs
+come from the plan space (`targets.base.plan_space()`): its block kinds and merge schedules.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ from vca_patch.planner.model_info import ModelInfo, block_inputs, run_from
 from vca_patch.recovery.calibrate import calibrate as calibrate_model
 from vca_patch.recovery.capture import capture_original_layers
 from vca_patch.surgery import get_patch_state, patch_model, unpatch_model
-from vca_patch.targets.mano.config import MANOConfig
-from vca_patch.targets.merge import MergeConfig
-from vca_patch.targets.vca.config import VCAConfig
+from vca_patch.targets.base import BlockKind, TargetConfig, plan_space
 
 
 @dataclass
@@ -91,53 +90,56 @@ def measure_sensitivity(
 ) -> Sensitivity:
     """Measure every candidate alone; the model is left unpatched as it came. With calibration, VCA blocks are
     calibrated on every other image and every candidate is scored on the rest (`split_for_measurement`). Merging
-    is measured with `unmerge` (MergeConfig's), as the plan will apply it."""
+    is measured with `unmerge` (the plan space's), as the plan will apply it."""
     log = log or (lambda message: None)
+    space = plan_space()
     fit, images = split_for_measurement(images, calibrate)
     states = block_inputs(model, info, images)
     reference = model.get_submodule(info.norm_path)(states[-1])
     result = Sensitivity(local_window=local_window)
-    for start in merge_starts:
-        for r in merge_rates(info, resolution, start, merge_fractions):
-            patch_model(model, MergeConfig(schedule=[0] * start + [r] * (info.depth - start), unmerge=unmerge))
-            try:
-                result.merge[(start, r)] = _loss(reference, run_from(model, info, start, states[start], resolution))
-            finally:
-                unpatch_model(model)
-        done = [(r, round(1 - loss.cls, 4)) for (j, r), loss in result.merge.items() if j == start]
-        log(f"  merging from block {start}: (r, CLS cosine) {done}")
-    captures: dict = {}
-    paths: dict[int, str] = {}
-    if calibrate and contrast_tokens:  # the original layers' inputs/outputs, captured once for every layer
-        patch_model(model, VCAConfig(contrast_tokens=contrast_tokens[0], token_magnitude=True))
+
+    def loss_of(config: TargetConfig, start: int, calibrate_block: Callable[[int], None] | None = None) -> Loss:
+        """The loss of `config` run from block `start` (calibrated there first with `calibrate_block`, when given);
+        the model is unpatched after."""
+        patch_model(model, config)
         try:
-            paths = {site.layer_index: site.path for site in get_patch_state(model).report.patched}
-            captures = capture_original_layers(model, [fit])
+            if calibrate_block is not None:
+                calibrate_block(start)
+            return _loss(reference, run_from(model, info, start, states[start], resolution))
         finally:
             unpatch_model(model)
-    for n in contrast_tokens:
-        for block in range(info.depth):
-            config = VCAConfig(contrast_tokens=n, layers=[block], token_magnitude=calibrate, local_window=local_window)
-            patch_model(model, config)
-            try:
-                if calibrate:
-                    with torch.enable_grad():
-                        calibrate_model(model, [fit], captures={paths[block]: captures[paths[block]]})
-                result.vca[(block, n)] = _loss(reference, run_from(model, info, block, states[block], resolution))
-            finally:
-                unpatch_model(model)
-        alone = [round(1 - result.vca[(b, n)].cls, 4) for b in range(info.depth)]
-        log(
-            f"  VCA n={n}{f' + local {local_window}x{local_window}' if local_window else ''}: CLS cosine alone "
-            f"per block {alone}"
-        )
-    for k in mano_windows:
-        for block in range(info.depth):
-            patch_model(model, MANOConfig(window=k, layers=[block]))
-            try:
-                result.mano[(block, k)] = _loss(reference, run_from(model, info, block, states[block], resolution))
-            finally:
-                unpatch_model(model)
-        alone = [round(1 - result.mano[(b, k)].cls, 4) for b in range(info.depth)]
-        log(f"  MANO k={k}: CLS cosine alone per block {alone}")
+
+    for start in merge_starts:
+        for r in merge_rates(info, resolution, start, merge_fractions):
+            schedule = [0] * start + [r] * (info.depth - start)
+            result.merge[(start, r)] = loss_of(space.schedule_config(schedule, unmerge=unmerge), start)
+        done = [(r, round(1 - loss.cls, 4)) for (j, r), loss in result.merge.items() if j == start]
+        log(f"  merging from block {start}: (r, CLS cosine) {done}")
+    kinds = ((space.kind("vca"), contrast_tokens, local_window), (space.kind("mano"), mano_windows, 0))
+    for kind, values, window in kinds:
+        fits = _calibration(model, kind, values[0], fit) if calibrate and kind.calibrates and values else None
+        settings = {"calibrate": calibrate if kind.calibrates else None, "local_window": window}
+        for value in values:
+            for block in range(info.depth):
+                result.of(kind.name)[(block, value)] = loss_of(kind.config(value, [block], **settings), block, fits)
+            alone = [round(1 - result.of(kind.name)[(b, value)].cls, 4) for b in range(info.depth)]
+            local = f" + local {window}x{window}" if window else ""
+            log(f"  {kind.label} {kind.symbol}={value}{local}: CLS cosine alone per block {alone}")
     return result
+
+
+def _calibration(model: nn.Module, kind: BlockKind, value: int, fit: torch.Tensor) -> Callable[[int], None]:
+    """`calibrate(block)`: calibrates that block of the model (patched with `kind` there) on `fit`, from the
+    original layers' inputs and outputs captured once here for every block (with `kind` at `value` everywhere)."""
+    patch_model(model, kind.config(value, None, calibrate=True, local_window=0))
+    try:
+        paths = {site.layer_index: site.path for site in get_patch_state(model).report.patched}
+        captures = capture_original_layers(model, [fit])
+    finally:
+        unpatch_model(model)
+
+    def calibrate(block: int) -> None:
+        with torch.enable_grad():
+            calibrate_model(model, [fit], captures={paths[block]: captures[paths[block]]})
+
+    return calibrate

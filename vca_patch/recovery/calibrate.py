@@ -11,20 +11,21 @@ every step's relative error of the layer's output is recorded. Targets without a
   already calibrated) feeds each layer, still against the original's output on the original's input (measured on
   real DINOv2 weights: worse than teacher-forced, CLS cosine 0.84 -> 0.73; kept for models where it may help).
 * ``grow_tokens``: layers whose error stays above a threshold are rebuilt with more tokens (the target's
-  `grown_tokens` / `with_more_tokens` hooks; VCA: `VCAConfig.layer_contrast_tokens`) and calibrated again.
+  `grown_tokens` / `with_more_tokens` hooks; VCA: its `layer_contrast_tokens`) and calibrated again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from vca_patch.core.model_io import model_placement
+from vca_patch.core.errors import ConfigError
+from vca_patch.core.model_io import model_input_size, model_placement
 from vca_patch.families.call_shims import attention_output, call_tokens
 from vca_patch.layers.projection_probe import projection_input
 from vca_patch.recovery.capture import (
@@ -35,6 +36,7 @@ from vca_patch.recovery.capture import (
     patched_modules,
 )
 from vca_patch.surgery import PatchError, get_patch_state, patch_model, unpatch_model
+from vca_patch.targets.base import TargetConfig
 
 _pre_proj = projection_input  # the name tests and older callers use
 
@@ -68,31 +70,20 @@ class CalibrationReport:
 
 @dataclass(frozen=True)
 class CalibrationOptions:
-    """`calibrate`'s keywords (see its docstring); the per-layer ones go to the target's `calibrate_layer`."""
+    """`calibrate`'s keywords: the driver's own (`grow_tokens`, `inputs`) and the target's per-layer ones
+    (`layer`), which the patched target declares and validates (`TargetConfig.calibration_settings`)."""
 
-    norm: str | None = "rms"
-    neg_noise: float = 0.01
-    temperature: bool | Sequence[float] = True
-    dwc: bool = True
-    dwc_ridge: float = 1e-3
     grow_tokens: float | None = None
-    magnitude: bool = True
-    magnitude_ridge: float = 0.1
-    magnitude_rounds: int = 2
     inputs: str = "original"
+    layer: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.norm not in (None, "rms", "lstsq"):
-            raise ValueError(f"norm must be 'rms', 'lstsq' or None, got {self.norm!r}")
-        rounds = self.magnitude_rounds
-        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-            raise ValueError(f"magnitude_rounds must be a positive integer, got {rounds!r}")
         if self.inputs not in ("original", "converted"):
-            raise ValueError(f"inputs must be 'original' or 'converted', got {self.inputs!r}")
+            raise ConfigError(f"inputs must be 'original' or 'converted', got {self.inputs!r}")
 
-    def layer_options(self) -> dict[str, Any]:
-        """The keywords a target's `calibrate_layer` gets (all but the driver's own: grow_tokens, inputs)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("grow_tokens", "inputs")}
+    def layer_settings(self, config: TargetConfig) -> Any:
+        """The target's validated calibration options for the layers of `config` (None where it declares none)."""
+        return config.calibration_settings(dict(self.layer))
 
 
 def _relative_error(candidate: torch.Tensor, reference: torch.Tensor) -> float:
@@ -121,44 +112,28 @@ def calibrate(
     model: nn.Module,
     batches: Iterable,
     *,
-    norm: str | None = "rms",
-    neg_noise: float = 0.01,
-    temperature: bool | Sequence[float] = True,
-    dwc: bool = True,
-    dwc_ridge: float = 1e-3,
     grow_tokens: float | None = None,
-    magnitude: bool = True,
-    magnitude_ridge: float = 0.1,
-    magnitude_rounds: int = 2,
     inputs: str = "original",
     captures: dict[str, LayerCapture] | None = None,
+    **options: Any,
 ) -> CalibrationReport:
     """Calibrate a freshly patched model in place on `batches` (tensors, (images, labels) or dicts).
 
-    norm: "rms", "lstsq" or None. neg_noise: std of e₋ relative to the pooled-query RMS (0: off).
-    temperature: search a per-head Stage-II temperature (True: DEFAULT_TEMPERATURES, or a list of
-    candidates) where the layers have one. dwc: least-squares fit of the depthwise conv.
-    grow_tokens: rebuild layers whose final relative error exceeds this with more contrast tokens
-    (re-patches those blocks; the rebuilt layers are calibrated again). magnitude: fit the per-token output gain
-    where the layers have one (``VCAConfig(token_magnitude=True)``), ridge `magnitude_ridge` (relative); with
-    `magnitude_rounds` > 1 the norm, conv and gain are refitted that many times in all (the "refit" step).
+    `options` are the patched target's calibration options (`TargetConfig.calibration_options`, validated before
+    any work; unknown keys are refused). VCA's (`targets/vca/calibrate.py:VCACalibration`, also for a merge plan's
+    VCA blocks): norm ("rms", "lstsq" or None), neg_noise (std of e₋ relative to the pooled-query RMS; 0: off),
+    temperature (search a per-head Stage-II temperature: True for DEFAULT_TEMPERATURES, or the candidates), dwc
+    (least-squares fit of the depthwise conv), dwc_ridge, magnitude (fit the per-token output gain where the
+    layers have one: VCA's ``token_magnitude=True``), magnitude_ridge (relative) and magnitude_rounds (> 1:
+    norm, conv and gain refitted that many times in all, the "refit" step).
+    grow_tokens: rebuild layers whose final relative error exceeds this with more tokens (the target's
+    `grown_tokens`; re-patches those blocks, which are calibrated again).
     inputs: "original" (teacher-forced: each layer sees the original model's input) or "converted" (each layer
     sees what the converted model, its earlier layers calibrated, feeds it; one more partial forward per layer).
     captures: the original model's per-layer captures when already taken (`capture_original_layers`).
     """
-    options = CalibrationOptions(
-        norm=norm,
-        neg_noise=neg_noise,
-        temperature=temperature,
-        dwc=dwc,
-        dwc_ridge=dwc_ridge,
-        grow_tokens=grow_tokens,
-        magnitude=magnitude,
-        magnitude_ridge=magnitude_ridge,
-        magnitude_rounds=magnitude_rounds,
-        inputs=inputs,
-    )
-    return run_calibration(model, batches, options, captures)
+    settings = CalibrationOptions(grow_tokens=grow_tokens, inputs=inputs, layer=options)
+    return run_calibration(model, batches, settings, captures)
 
 
 @torch.no_grad()
@@ -169,9 +144,11 @@ def run_calibration(
     captures: dict[str, LayerCapture] | None = None,
 ) -> CalibrationReport:
     """`calibrate` with its keywords bundled: capture, calibrate every layer the target calibrates, grow."""
-    if get_patch_state(model) is None:
+    state = get_patch_state(model)
+    if state is None:
         raise PatchError("model is not patched by vca_patch; call vca_patch.patch_model(model) first")
-    batches = _checked_batches(batches)
+    settings = options.layer_settings(state.config)  # the target's options, refused before any work
+    batches = _checked_batches(batches, _channels(model))
     images: list[torch.Tensor] = []
     if options.inputs == "converted":
         batches = list(batches)
@@ -181,7 +158,7 @@ def run_calibration(
     was_training = model.training
     model.eval()
     try:
-        report = _calibrate_layers(model, captures, images, options)
+        report = _calibrate_layers(model, captures, images, settings)
         if options.grow_tokens is not None:
             _grow_tokens(model, report, captures, options)
     finally:
@@ -189,9 +166,17 @@ def run_calibration(
     return report
 
 
-def _checked_batches(batches: Iterable) -> Iterator:
-    """`batches`, each checked before the model sees it: images found, not empty, finite; a DatasetError (one line,
-    before any torch error) for an empty batch, NaN/infinite values, or no batch at all."""
+def _channels(model: nn.Module) -> int | None:
+    """The image channels the model takes, None when it cannot tell."""
+    try:
+        return model_input_size(model)[0]
+    except ValueError:
+        return None
+
+
+def _checked_batches(batches: Iterable, channels: int | None = None) -> Iterator:
+    """`batches`, each checked before the model sees it: images found, not empty, finite, [B, C, H, W] with the
+    model's `channels`; a DatasetError (one line, before any torch error) for a batch that is not, or no batch."""
     from vca_patch.data.errors import DatasetError
 
     if isinstance(batches, torch.Tensor):
@@ -204,6 +189,11 @@ def _checked_batches(batches: Iterable) -> Iterator:
             raise DatasetError(f"calibration batch {count}: {exc}") from exc
         if images.numel() == 0:
             raise DatasetError(f"calibration batch {count} is empty (shape {tuple(images.shape)}); give images")
+        if channels is not None and (images.dim() != 4 or images.shape[1] != channels):
+            raise DatasetError(
+                f"calibration batch {count} has shape {tuple(images.shape)}, but the model takes images of shape "
+                f"[batch, {channels}, height, width]; give images as the model takes them (its channels first)"
+            )
         if images.is_floating_point() and not bool(torch.isfinite(images).all()):
             raise DatasetError(
                 f"calibration batch {count} holds NaN or infinite values; check the images and their normalisation"
@@ -222,7 +212,7 @@ def _model_images(model: nn.Module, batches: list) -> list[torch.Tensor]:
 
 
 def _calibrate_layers(
-    model: nn.Module, captures: dict[str, LayerCapture], images: list[torch.Tensor], options: CalibrationOptions
+    model: nn.Module, captures: dict[str, LayerCapture], images: list[torch.Tensor], settings: Any
 ) -> CalibrationReport:
     """Every captured patched layer the target calibrates, in block order; the others keep their init."""
     config = get_patch_state(model).config
@@ -230,7 +220,7 @@ def _calibrate_layers(
     steps = ["init"]
     for path, module in patched_modules(model).items():
         if path in captures and config.calibrates(module):
-            layers.append(_calibrate_layer(model, path, captures[path], images, options, steps))
+            layers.append(_calibrate_layer(model, path, captures[path], images, settings, steps))
     return CalibrationReport(layers, steps)
 
 
@@ -239,7 +229,7 @@ def _calibrate_layer(
     path: str,
     cap: LayerCapture,
     images: list[torch.Tensor],
-    options: CalibrationOptions,
+    settings: Any,
     steps: list[str],
 ) -> LayerCalibration:
     """One layer: its teacher, its inputs (teacher-forced or converted), the target's fit, measured per step."""
@@ -258,7 +248,7 @@ def _calibrate_layer(
         if step not in steps:
             steps.append(step)
 
-    facts = state.config.calibrate_layer(module, cap, teacher, measure, **options.layer_options())
+    facts = state.config.calibrate_layer(module, cap, teacher, measure, settings)
     return LayerCalibration(path, module.layer_index, facts["contrast_tokens"], errors, facts.get("temperature"))
 
 

@@ -68,6 +68,23 @@ def batch_images(batch) -> torch.Tensor:
     raise TypeError(f"cannot find images in a batch of type {type(batch).__name__}")
 
 
+def _run_batch(model: nn.Module, images: torch.Tensor, index: int) -> None:
+    """The model on calibration batch `index`; a batch it cannot run (a size it does not take) is a DatasetError
+    naming the batch's shape and the model's error, not a traceback from inside the model."""
+    from vca_patch.data.errors import DatasetError
+
+    try:
+        model(images)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, AssertionError) as exc:  # e.g. timm's size assertion, a conv's shape error
+        text = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__).rstrip(".")
+        raise DatasetError(
+            f"the model cannot run calibration batch {index} of shape {tuple(images.shape)}: {text}; give images of "
+            "the size the model takes"
+        ) from exc
+
+
 @torch.no_grad()
 def capture_original_layers(model: nn.Module, batches: Iterable, device: torch.device | None = None) -> dict:
     """Inputs/outputs of every patched layer when the model runs with its original attention.
@@ -95,9 +112,10 @@ def capture_original_layers(model: nn.Module, batches: Iterable, device: torch.d
 
             handles.append(model.get_submodule(path).register_forward_hook(hook, with_kwargs=True))
         try:
-            for batch in batches:
+            for index, batch in enumerate(batches):
                 images = batch_images(batch)
-                model(images.to(device=device, dtype=dtype) if images.is_floating_point() else images.to(device))
+                _run_batch(model, images.to(device=device, dtype=dtype) if images.is_floating_point() else images.to(
+                    device), index)  # fmt: skip
         finally:
             for h in handles:
                 h.remove()

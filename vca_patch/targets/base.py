@@ -19,6 +19,19 @@ CONFIG_TYPES: dict[str, type[TargetConfig]] = {}
 _SELECTION_FIELDS = {"target", "layers", "include", "exclude", "seed"}  # TargetConfig's own fields (and the key)
 
 
+@dataclass(frozen=True)
+class RecipeOptions:
+    """The keys a target adds to recovery recipes (`TargetConfig.recipe_options`), so that the recipe schema
+    (train/recipe.py) stays generic: `train`, a frozen dataclass of keys of a recipe's `train` section; `stage`, one
+    of keys of each stage (None: none). Their fields are typed, with defaults and metadata help; a stage field
+    with metadata {"group": name} is the learning rate of the target's parameter group `name`
+    (`TargetConfig.parameter_groups`). Constructing either validates its values: a ConfigError whose message
+    starts with the key (the schema puts where the key is in front)."""
+
+    train: type | None = None
+    stage: type | None = None
+
+
 def target_display_name(target: str) -> str:
     """`"mano"` -> `"MANO"`: a registered target's `display_name`, else its upper-cased name."""
     config_cls = CONFIG_TYPES.get(target)
@@ -152,15 +165,37 @@ class TargetConfig:
         return cls.from_dict(json.loads(text))
 
     # ---- Calibration and compute-kernel hooks (issue #41): recovery/calibrate.py's driver and bench/ call these ----
+    # The target's per-layer calibration options: a frozen dataclass whose fields (typed, with their defaults and
+    # metadata help, written once) are `vca_patch.calibrate`'s keywords for this target and whose construction
+    # validates them (ConfigError). None: the target takes no calibration options (VCA: `VCACalibration`).
+    calibration_options: ClassVar[type | None] = None
+
+    @classmethod
+    def calibration_settings(cls, options: dict[str, Any]) -> Any:
+        """`options` (keywords given to `vca_patch.calibrate`) as the target's validated calibration options: an
+        instance of `calibration_options` with the others at their defaults. Checked before any work, so a bad key
+        or value is one ConfigError naming it; None for a target that declares none (and was given none)."""
+        options_cls = cls.calibration_options
+        name = target_display_name(cls.target)
+        if options_cls is None:
+            if options:
+                raise ConfigError(f"{name} layers take no calibration options; drop {sorted(options)}")
+            return None
+        known = sorted(f.name for f in dataclasses.fields(options_cls))
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown {name} calibration options {unknown}; valid: {known}")
+        return options_cls(**options)
+
     def calibrates(self, layer: nn.Module) -> bool:
         """Whether `layer` (one of the layers this config patched in) has a closed-form calibration,
         `calibrate_layer`. Default: no; `vca_patch.calibrate` leaves the target's layers at their own init."""
         return False
 
-    def calibrate_layer(self, layer: nn.Module, capture: Any, teacher: Any, measure: Any, **options: Any) -> dict:
+    def calibrate_layer(self, layer: nn.Module, capture: Any, teacher: Any, measure: Any, options: Any) -> dict:
         """Fit `layer` in place, teacher-forced: `capture` holds its `inputs`, the original's `outputs` and the
         `layout`; `teacher` is the original attention's input to the output projection on `capture.inputs`;
-        `measure(step)` records the layer's error after each step; `options` are `calibrate`'s per-layer keywords.
+        `measure(step)` records the layer's error after each step; `options` is `calibration_settings`' result.
         Returns the report's facts for the layer: {"contrast_tokens": int, "temperature": list | None}."""
         raise ConfigError(f"target {self.target!r} ({type(self).__name__}) has no closed-form calibration")
 
@@ -183,15 +218,20 @@ class TargetConfig:
     # ---- end of calibration and compute-kernel hooks ----
 
     # ---- Recovery-training hooks (issue #41): train/params.py and the recipe engine call these ----
+    recipe_options: ClassVar[RecipeOptions] = RecipeOptions()  # the keys the target adds to recipes (default: none)
+
     def parameter_groups(self, model: nn.Module) -> dict[str, list[nn.Parameter]]:
         """The target's parameters of `model` (patched with this config) that the recipe engine trains in a group of
-        their own, by group name; a stage's `<name>_lr` sets its learning rate (VCA: "lambda", `lambda_lr`).
-        Default: none (all the target's new parameters train at the stage's `lr`)."""
+        their own, by group name; each group's learning rate is the stage key that `recipe_options.stage` declares
+        for it (VCA: "lambda", `lambda_lr`). Default: none (all the target's new parameters train at the stage's
+        `lr`)."""
         return {}
 
-    def guard_parameters(self, model: nn.Module, high: float) -> int:
-        """Project constrained parameters of `model` back into range after an optimizer step (the recipe's
-        `lambda_guard: clamp`, bound `lambda_max`); returns how many moved. Default: nothing to guard."""
+    def guard_parameters(self, model: nn.Module, options: Any) -> int:
+        """Project constrained parameters of `model` back into range after an optimizer step, as the recipe's train
+        options for this target say (`options`: an instance of `recipe_options.train`, None where the target
+        declares none; VCA: `lambda_guard: clamp` with bound `lambda_max`); returns how many moved. Default: nothing
+        to guard."""
         return 0
 
     def parameter_trace(self, model: nn.Module) -> dict[str, Any]:
@@ -205,3 +245,119 @@ class TargetConfig:
 def is_int(value: Any) -> bool:
     """An int that is not a bool: what a config field typed `int` accepts from JSON."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ---- Planning hooks (issue #41): the latency-budget planner (planner/) searches a target's plan space ----
+class BlockKind:
+    """One per-block choice of a plan besides the original attention: blocks of this kind run the registered target
+    `name` with one integer setting per block (VCA: contrast tokens n; MANO: window k). `name` is also the kind's
+    key in the planner's records and plan files; `label` and `symbol` are how plans print it ("VCA", "n")."""
+
+    name: str = ""
+    label: str = ""
+    symbol: str = ""
+    shrinks: bool = False  # a block of this kind moves on only to smaller values of it (VCA: fewer contrast tokens)
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether blocks of this kind have a closed-form calibration (their target declares its options)."""
+        return CONFIG_TYPES[self.name].calibration_options is not None
+
+    def config(
+        self, value: int, layers: list[int] | None, *, calibrate: bool | None, local_window: int
+    ) -> TargetConfig:
+        """The config that converts blocks `layers` (None: all) to this kind with `value`, to time or measure them
+        alone; `calibrate`: whether they will be calibrated (None: the target's default); `local_window`: the
+        plan's local term where the kind has one."""
+        raise NotImplementedError
+
+    def macs(self, shape: Any, value: int, *, local_window: int) -> float:
+        """Analytic MACs of one such block's attention on `shape` (a `layers.macs.AttentionShape`), as planned
+        (training-free)."""
+        raise NotImplementedError
+
+
+class PlanSpace:
+    """What the planner searches, declared by the target whose config is the plan (`target`): a token-reducing
+    schedule (r tokens removed after each block) and, in the blocks before the first reduction, one of `kinds` or
+    the original attention. The planner builds no config itself: every config it times, measures or saves comes
+    from here. Register one with `register_plan_space` from the target's package."""
+
+    target: str = ""
+    kinds: tuple[BlockKind, ...] = ()
+    unmerge_modes: tuple[str, ...] = ()  # how reduced tokens return at the end (the planner's `unmerge`)
+
+    def kind(self, name: str) -> BlockKind:
+        """The block kind called `name`."""
+        found = next((k for k in self.kinds if k.name == name), None)
+        if found is None:
+            raise ConfigError(f"{self.target}'s plan space has no block kind {name!r}; known: {self.kind_names}")
+        return found
+
+    @property
+    def kind_names(self) -> list[str]:
+        return [k.name for k in self.kinds]
+
+    @property
+    def config_type(self) -> type[TargetConfig]:
+        """The plan's config class (what `load_plan` returns)."""
+        return CONFIG_TYPES[self.target]
+
+    def check_settings(self, *, local_window: int) -> None:
+        """Refuse planner settings the space cannot plan with (ConfigError naming them); default: none."""
+
+    def survey_config(self) -> TargetConfig:
+        """The config whose dry run (`inspect_model`) lists the blocks a plan may convert."""
+        raise NotImplementedError
+
+    def tokens_removed(self, tokens: int, prefix: int, r: int) -> int:
+        """Tokens one block removes from `tokens` (of which `prefix` never go) when asked for `r`."""
+        raise NotImplementedError
+
+    def schedule_config(self, schedule: list[int], *, unmerge: str) -> TargetConfig:
+        """The config that removes schedule[i] tokens after block i and nothing else."""
+        raise NotImplementedError
+
+    def mark_timed_block(self, block: nn.Module) -> None:
+        """Make the first block of a `schedule_config([1, 0, ...])` model, timed alone, also do the end-of-model
+        work (the unmerge), so its overhead is timed whole. Default: nothing to do."""
+
+    def plan_config(
+        self,
+        schedule: list[int],
+        blocks: dict[str, dict[int, int]],
+        *,
+        calibrate: bool,
+        local_window: int,
+        expect: dict[str, int],
+        unmerge: str,
+    ) -> TargetConfig:
+        """The plan as a config: `schedule`, {kind: {block: value}}, for a model with `expect` (depth, dim, heads)."""
+        raise NotImplementedError
+
+    def plan_sizes(self, config: TargetConfig, depth: int | None) -> tuple[int, int]:
+        """(tokens the plan removes in all, the largest number of tokens one of its blocks pools) for its checks
+        against a patch grid; `depth`: blocks of the model, where the plan gives no per-block schedule."""
+        raise NotImplementedError
+
+
+PLAN_SPACES: dict[str, PlanSpace] = {}
+
+
+def register_plan_space(space: PlanSpace) -> PlanSpace:
+    """Register `space` (its `target` must be a registered target) as the planner's search space for that target."""
+    if space.target not in CONFIG_TYPES:
+        raise ConfigError(f"plan space for unknown target {space.target!r}; known: {sorted(CONFIG_TYPES)}")
+    PLAN_SPACES[space.target] = space
+    return space
+
+
+def plan_space(target: str | None = None) -> PlanSpace:
+    """The plan space of `target`, or (None) the only registered one."""
+    if target is None:
+        if len(PLAN_SPACES) == 1:
+            return next(iter(PLAN_SPACES.values()))
+        raise ConfigError(f"{len(PLAN_SPACES)} plan spaces are registered ({sorted(PLAN_SPACES)}): name the target")
+    if target in PLAN_SPACES:
+        return PLAN_SPACES[target]
+    raise ConfigError(f"no plan space for target {target!r}; registered: {sorted(PLAN_SPACES)}")

@@ -521,9 +521,9 @@ class _RecipeRun:
         )
 
     def guard_parameters(self) -> None:
-        """The target's parameter guard after each update (VCA: λ projected back into [0, λ_max])."""
-        if self.tr.lambda_guard == "clamp":
-            guard_parameters(self.student, self.tr.lambda_max)
+        """The target's parameter guard after each update, as its keys of the recipe's `train` section say (VCA: λ
+        projected back into [0, lambda_max] under `lambda_guard: clamp`)."""
+        guard_parameters(self.student, self.tr)
 
     def log_step(self, loop: _StageLoop, step_loss: torch.Tensor) -> None:
         log = self.global_step % self.tr.log_every == 0

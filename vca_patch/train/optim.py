@@ -11,6 +11,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from vca_patch.train.params import parameter_groups
 from vca_patch.train.recipe import StageSpec
+from vca_patch.train.target_keys import group_learning_rates
 
 
 def stage_optimizer(model: nn.Module, stage: StageSpec) -> torch.optim.AdamW:
@@ -20,7 +21,7 @@ def stage_optimizer(model: nn.Module, stage: StageSpec) -> torch.optim.AdamW:
     schedulers multiply in, so one schedule drives groups with different learning rates.
     """
     groups = parameter_groups(model)
-    lrs = {"new": stage.lr, "lambda": stage.lambda_lr, "carried": stage.carried_lr, "rest": stage.rest_lr}
+    lrs = {"new": stage.lr, **group_learning_rates(stage.options), "carried": stage.carried_lr, "rest": stage.rest_lr}
     if stage.kind == "attention_transfer":
         lrs["rest"] = 0.0  # outside attention nothing is in the loss
     peak = max(lrs.values())

@@ -1,5 +1,6 @@
 """Parameter groups of a patched model, and its target's parameter guard and trace (the target's hooks:
-`TargetConfig.parameter_groups` / `guard_parameters` / `parameter_trace`; VCA's λ in targets/vca/training.py)."""
+`TargetConfig.parameter_groups` / `guard_parameters` / `parameter_trace`; the groups a target may fill are those its
+recipe keys declare, `target_keys.parameter_group_names`)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,24 @@ from torch import nn
 from vca_patch.families.diffusers.processor import NEW_PARAMETERS
 from vca_patch.layers.carried_module import CarriesOriginal
 from vca_patch.surgery import get_patch_state
+from vca_patch.train import target_keys
+from vca_patch.train.recipe import TrainSpec
 
-GROUPS = ("new", "lambda", "carried", "rest")  # "lambda": the target's own group (a stage's lambda_lr), if any
+
+def group_names() -> list[str]:
+    """The group names: "new", each parameter group a registered target declares (VCA: "lambda"), "carried",
+    "rest"."""
+    return ["new", *target_keys.parameter_group_names(), "carried", "rest"]
 
 
 def parameter_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """{"new": parameters the target added (VCA, MANO, DIDB, ...), "lambda": those the target's `parameter_groups`
-    hook puts there (VCA's λ vectors), "carried": the original modules' own parameters (attention q/k/v/proj and
-    their norms; the weights a block edit carries, e.g. DIDB's binarised fc1/fc2), "rest": everything else}, each a
-    list of (name, parameter). Carried parameters are recognised by identity with the replaced modules' parameters,
-    or, in a block edit that carries its original (`CarriesOriginal`), by its `carried_names`."""
-    groups: dict[str, list[tuple[str, nn.Parameter]]] = {g: [] for g in GROUPS}
+    """{"new": parameters the target added, then each declared target group (`group_names`): those the target's
+    `parameter_groups` hook puts there (VCA's "lambda": its λ vectors; empty for other targets), "carried": the
+    original modules' own parameters (attention q/k/v/proj and their norms; the weights a block edit carries, e.g.
+    DIDB's binarised fc1/fc2), "rest": everything else}, each a list of (name, parameter). Carried parameters are
+    recognised by identity with the replaced modules' parameters, or, in a block edit that carries its original
+    (`CarriesOriginal`), by its `carried_names`."""
+    groups: dict[str, list[tuple[str, nn.Parameter]]] = {g: [] for g in group_names()}
     state = get_patch_state(model)
     own_group = _target_groups(model, state)
     sites = [path + "." for path in state.originals] if state is not None else []
@@ -54,9 +62,13 @@ def _target_groups(model: nn.Module, state: Any) -> dict[int, str]:
     if state is None:
         return {}
     found: dict[int, str] = {}
+    declared = ["new", *target_keys.parameter_group_names()]
     for group, params in state.config.parameter_groups(model).items():
-        if group not in GROUPS or group in ("carried", "rest"):
-            raise ValueError(f"target {state.config.target!r}: parameter group {group!r} is not one of new, lambda")
+        if group not in declared:
+            raise ValueError(
+                f"target {state.config.target!r}: parameter group {group!r} is not one of {declared}; a target "
+                "declares its groups' learning rates in its recipe keys (`TargetConfig.recipe_options`)"
+            )
         found.update({id(p): group for p in params})
     return found
 
@@ -66,10 +78,13 @@ def _target_config(model: nn.Module) -> Any:
     return state.config if state is not None else None
 
 
-def guard_parameters(model: nn.Module, high: float) -> int:
-    """The patched model's target guard (`TargetConfig.guard_parameters`; VCA: λ into [0, high]); how many moved."""
+def guard_parameters(model: nn.Module, train: TrainSpec) -> int:
+    """The patched model's target guard (`TargetConfig.guard_parameters`) with the target's keys of the recipe's
+    `train` section (VCA: λ into [0, lambda_max] under `lambda_guard: clamp`); how many moved."""
     config = _target_config(model)
-    return config.guard_parameters(model, high) if config is not None else 0
+    if config is None:
+        return 0
+    return config.guard_parameters(model, target_keys.target_options(config, "train", train.options))
 
 
 def parameter_trace(model: nn.Module) -> dict[str, Any]:

@@ -14,12 +14,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from vca_patch.core.errors import ConfigError
 from vca_patch.core.sizes import MAX_IMG_SIZE
+from vca_patch.train import target_keys
 from vca_patch.train.diffusion_spec import DiffusionSpec, check_diffusion_spec
 
 
 class RecipeError(ValueError):
     """A recipe file or value is invalid."""
+
+
+def _flat(data: dict[str, Any]) -> dict[str, Any]:
+    """A section's dict with its `options` (the targets' keys) written beside its own keys."""
+    data = dict(data)
+    return data | data.pop("options")
 
 
 @dataclass
@@ -50,8 +58,8 @@ class DataSpec:
 class TrainSpec:
     """Loop settings shared by every stage.
 
-    lambda_guard / lambda_max: the target's parameter guard after each update ("clamp": on, with bound lambda_max;
-    `TargetConfig.guard_parameters`; VCA keeps every λ in [0, lambda_max]; other targets have nothing to guard).
+    options: the keys registered targets add to this section (`TargetConfig.recipe_options`; written beside the
+    others in a recipe, e.g. VCA's `lambda_guard: clamp` and `lambda_max: 0.95`, the λ guard after each update).
     """
 
     batch_size: int = 64
@@ -65,8 +73,10 @@ class TrainSpec:
     eval_images: int = 1000
     log_every: int = 10
     grad_clip: float = 5.0
-    lambda_guard: Literal["clamp", "none"] = "clamp"
-    lambda_max: float = 0.95
+    options: dict[str, Any] = field(default_factory=dict, metadata={"target_keys": "train"})
+
+    def __post_init__(self) -> None:
+        self.options = target_keys.with_defaults("train", self.options)
 
 
 @dataclass
@@ -78,8 +88,7 @@ class StageSpec:
     "distill" (end to end from the original model: KL on logits, or feature cosine without a
     head; plus cross-entropy on labels when label_weight > 0) or "distill_diffusion" (a diffusion transformer:
     attention-output, teacher-prediction and own-objective losses per the recipe's `diffusion` section).
-    lr: the target's new parameters; lambda_lr: the target's own "lambda" group (`TargetConfig.parameter_groups`;
-    VCA's λ vectors); carried_lr: q/k/v/proj (0 = frozen);
+    lr: the target's new parameters; carried_lr: q/k/v/proj (0 = frozen);
     rest_lr: everything outside attention (distill only; 0 = frozen).
     feature_space: what a head-less "distill" stage's feature cosine compares: "raw" final tokens, or
     "standardized": each channel centred and scaled by the teacher's running mean and std (token 0 and the
@@ -90,13 +99,14 @@ class StageSpec:
     target_state: settings of the patch target switched at this stage's start and kept by later stages until one
     changes them (JSON-safe; the target's `apply_stage_state` validates them, e.g. DIDB's
     {"weights": false, "activations": true}); empty: leave the target as it is.
+    options: the keys registered targets add to a stage (`TargetConfig.recipe_options`; written beside the others
+    in a recipe), e.g. VCA's `lambda_lr`, the learning rate of its "lambda" parameter group (the λ vectors).
     """
 
     name: str
     kind: Literal["calibrate", "attention_transfer", "distill", "distill_diffusion"]
     steps: int = 0
     lr: float = 3e-3
-    lambda_lr: float = 1e-4
     carried_lr: float = 0.0
     rest_lr: float = 0.0
     weight_decay: float = 0.0
@@ -108,6 +118,10 @@ class StageSpec:
     cls_weight: float | None = None
     calibration_images: int = 256
     target_state: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict, metadata={"target_keys": "stage"})
+
+    def __post_init__(self) -> None:
+        self.options = target_keys.with_defaults("stage", self.options)
 
 
 @dataclass
@@ -123,7 +137,11 @@ class Recipe:
     diffusion: DiffusionSpec | None = None  # the latents and losses of distill_diffusion stages
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The recipe as its file would write it: each section's target keys beside its own."""
+        data = dataclasses.asdict(self)
+        data["train"] = _flat(data["train"])
+        data["stages"] = [_flat(stage) for stage in data["stages"]]
+        return data
 
     @property
     def total_steps(self) -> int:
@@ -224,22 +242,38 @@ def _check_json_safe(value: Any, where: str) -> None:
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
+    own = {f.name: f for f in dataclasses.fields(cls) if "target_keys" not in f.metadata}
+    section = next((f.metadata["target_keys"] for f in dataclasses.fields(cls) if "target_keys" in f.metadata), None)
+    extra = target_keys.declared(section) if section is not None else {}
+    valid = sorted({*own, *extra})
     if not isinstance(data, dict):
-        raise RecipeError(f"{where}: expected a mapping with keys {[f.name for f in dataclasses.fields(cls)]}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+        raise RecipeError(f"{where}: expected a mapping with keys {[*own, *extra]}")
+    unknown = sorted(set(data) - set(valid))
     if unknown:
-        raise RecipeError(f"{where}: unknown key {unknown[0]!r}; valid keys: {sorted(fields)}")
+        raise RecipeError(f"{where}: unknown key {unknown[0]!r}; valid keys: {valid}")
     missing = [
         n
-        for n, f in fields.items()
+        for n, f in own.items()
         if n not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     if missing:
-        raise RecipeError(f"{where}: missing required key {missing[0]!r}; valid keys: {sorted(fields)}")
-    kwargs = {k: _convert(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+        raise RecipeError(f"{where}: missing required key {missing[0]!r}; valid keys: {valid}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {k: _convert(v, hints[k], f"{where}.{k}") for k, v in data.items() if k in own}
+    if section is not None:
+        kwargs["options"] = _target_keys(section, {k: v for k, v in data.items() if k in extra}, extra, where)
     return cls(**kwargs)
+
+
+def _target_keys(section: str, given: dict[str, Any], keys: dict[str, Any], where: str) -> dict[str, Any]:
+    """The registered targets' keys given in a section, typed by and validated with their declaring dataclass (the
+    section's `__post_init__` adds the others at their defaults, so a recipe records every value it ran with)."""
+    values = {k: _convert(v, keys[k].hint, f"{where}.{k}") for k, v in given.items()}
+    try:
+        target_keys.validate(section, values)
+    except ConfigError as exc:  # its message starts with the key
+        raise RecipeError(f"{where}.{exc}") from None
+    return values
 
 
 def _check(recipe: Recipe) -> None:
@@ -249,8 +283,6 @@ def _check(recipe: Recipe) -> None:
             raise RecipeError(f"train.{key} must be >= 1, got {getattr(t, key)}")
     if not 0.0 <= t.ema_decay < 1.0:
         raise RecipeError(f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
-    if not 0.0 < t.lambda_max < 1.0:
-        raise RecipeError(f"train.lambda_max must be in (0, 1), got {t.lambda_max}")
     if not recipe.stages:
         raise RecipeError("stages: a recipe needs at least one stage")
     names = [s.name for s in recipe.stages]
@@ -259,7 +291,7 @@ def _check(recipe: Recipe) -> None:
     for i, s in enumerate(recipe.stages):
         if s.kind != "calibrate" and s.steps < 1:
             raise RecipeError(f"stages[{i}].steps must be >= 1 for a {s.kind} stage, got {s.steps}")
-        for key in ("lr", "lambda_lr", "carried_lr", "rest_lr", "weight_decay", "label_weight"):
+        for key in ("lr", "carried_lr", "rest_lr", "weight_decay", "label_weight"):
             if getattr(s, key) < 0:
                 raise RecipeError(f"stages[{i}].{key} must be >= 0, got {getattr(s, key)}")
         if s.cls_weight is not None and not 0.0 <= s.cls_weight <= 1.0:
@@ -314,7 +346,9 @@ def load_recipe(path: str | Path) -> Recipe:
     if not path.is_file():
         raise RecipeError(f"recipe file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise RecipeError(f"{path} is not valid YAML: {exc}") from exc
+    except (UnicodeDecodeError, OSError) as exc:  # a binary file, or one that cannot be read
+        raise RecipeError(f"{path} is not a readable YAML text file ({type(exc).__name__}: {exc})") from exc
     return recipe_from_dict(data, path.name)

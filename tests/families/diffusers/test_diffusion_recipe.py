@@ -161,7 +161,7 @@ def test_loss_is_the_weighted_sum_of_its_three_terms_against_a_written_out_refer
 
 def test_optimizer_trains_vca_parameters_and_qkv_out_at_the_lower_rate():
     student = patched_dit()
-    stage = StageSpec("s", "distill_diffusion", 1, lr=1e-3, lambda_lr=1e-4, carried_lr=1e-4)
+    stage = StageSpec("s", "distill_diffusion", 1, lr=1e-3, carried_lr=1e-4, options={"lambda_lr": 1e-4})
     groups = {g["group"]: g for g in stage_optimizer(student, stage).param_groups}
     names = {id(p): n for n, p in student.named_parameters()}
     carried = sorted(names[id(p)] for p in groups["carried"]["params"])

@@ -4,10 +4,13 @@ from vca_patch.targets.merge.attention import MergingAttention
 from vca_patch.targets.merge.block import FAMILIES, MergeState, MergingForward, unmerge
 from vca_patch.targets.merge.config import MergeConfig
 from vca_patch.targets.merge.matching import TokenMerge, bipartite_soft_matching
+from vca_patch.targets.merge.plan_space import PLAN_SPACE, MergePlanSpace  # registers merging's plan space
 
 __all__ = [
     "FAMILIES",
+    "PLAN_SPACE",
     "MergeConfig",
+    "MergePlanSpace",
     "MergeState",
     "MergingAttention",
     "MergingForward",

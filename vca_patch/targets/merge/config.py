@@ -9,7 +9,7 @@ from torch import nn
 
 from vca_patch.core.errors import ConfigError
 from vca_patch.layers.carried import CarriedAttention
-from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.base import RecipeOptions, TargetConfig
 from vca_patch.targets.mano.config import MANOConfig
 from vca_patch.targets.mano.layer import MultipoleAttention
 from vca_patch.targets.merge.attention import MergingAttention
@@ -73,6 +73,9 @@ class MergeConfig(TargetConfig):
     """
 
     target: ClassVar[str] = "merge"
+    # Declared composition: the VCA blocks calibrate and train as VCA's, so VCA's calibration and recipe keys apply.
+    calibration_options: ClassVar[type | None] = VCAConfig.calibration_options
+    recipe_options: ClassVar[RecipeOptions] = VCAConfig.recipe_options
 
     r: int = 8
     schedule: list[int] | None = None
@@ -231,15 +234,15 @@ class MergeConfig(TargetConfig):
     def calibrates(self, layer: nn.Module) -> bool:
         return self._vca_config().calibrates(layer)
 
-    def calibrate_layer(self, layer: nn.Module, capture: Any, teacher: Any, measure: Any, **options: Any) -> dict:
-        return self._vca_config().calibrate_layer(layer, capture, teacher, measure, **options)
+    def calibrate_layer(self, layer: nn.Module, capture: Any, teacher: Any, measure: Any, options: Any) -> dict:
+        return self._vca_config().calibrate_layer(layer, capture, teacher, measure, options)
 
     # ---- Recovery-training hooks: the VCA blocks' λ group, guard and trace are VCA's ----
     def parameter_groups(self, model: nn.Module) -> dict[str, list[nn.Parameter]]:
         return self._vca_config().parameter_groups(model) if self.vca_layers else {}
 
-    def guard_parameters(self, model: nn.Module, high: float) -> int:
-        return self._vca_config().guard_parameters(model, high) if self.vca_layers else 0
+    def guard_parameters(self, model: nn.Module, options: Any) -> int:
+        return self._vca_config().guard_parameters(model, options) if self.vca_layers else 0
 
     def parameter_trace(self, model: nn.Module) -> dict[str, Any]:
         return self._vca_config().parameter_trace(model) if self.vca_layers else {}

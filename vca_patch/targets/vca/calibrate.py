@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,23 +31,29 @@ DEFAULT_TEMPERATURES = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0)
 
 @dataclass(frozen=True)
 class VCACalibration:
-    """The per-layer options of `vca_patch.calibrate` (see its docstring)."""
+    """VCA's calibration options (`VCAConfig.calibration_options`): `vca_patch.calibrate`'s per-layer keywords for
+    VCA layers, their defaults and help written once here; constructing one validates them."""
 
-    norm: str | None = "rms"
-    neg_noise: float = 0.01
-    temperature: bool | Sequence[float] = True
-    dwc: bool = True
-    dwc_ridge: float = 1e-3
-    magnitude: bool = True
-    magnitude_ridge: float = 0.1
-    magnitude_rounds: int = 2
+    norm: str | None = field(default="rms", metadata={"help": 'RMSNorm₂ weight fit: "rms", "lstsq" or None (off)'})
+    neg_noise: float = field(default=0.01, metadata={"help": "std of e₋ relative to the pooled-query RMS (0: off)"})
+    temperature: bool | Sequence[float] = field(
+        default=True,
+        metadata={"help": "search a per-head Stage-II temperature (True: DEFAULT_TEMPERATURES, or the candidates)"},
+    )
+    dwc: bool = field(default=True, metadata={"help": "least-squares fit of the depthwise conv (and local-term mix)"})
+    dwc_ridge: float = field(default=1e-3, metadata={"help": "ridge of the conv fit, relative to the Gram diagonal"})
+    magnitude: bool = field(default=True, metadata={"help": "fit the per-token output gain, where layers have one"})
+    magnitude_ridge: float = field(default=0.1, metadata={"help": "ridge of the gain fit (relative)"})
+    magnitude_rounds: int = field(
+        default=2, metadata={"help": "fits of norm, conv and gain in all (> 1: the 'refit' step)"}
+    )
 
-    @classmethod
-    def from_options(cls, options: dict[str, Any]) -> VCACalibration:
-        unknown = sorted(set(options) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ConfigError(f"unknown VCA calibration options {unknown}; valid: {sorted(cls.__dataclass_fields__)}")
-        return cls(**options)
+    def __post_init__(self) -> None:
+        if self.norm not in (None, "rms", "lstsq"):
+            raise ConfigError(f"norm must be 'rms', 'lstsq' or None, got {self.norm!r}")
+        rounds = self.magnitude_rounds
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise ConfigError(f"magnitude_rounds must be a positive integer, got {rounds!r}")
 
     @property
     def candidates(self) -> tuple[float, ...]:

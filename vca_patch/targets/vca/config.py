@@ -13,9 +13,10 @@ from vca_patch.core.errors import ConfigError
 from vca_patch.layers.carried import CarriedAttention
 from vca_patch.layers.joint_carry import CarriedJointAttention, CarriedSingleStreamAttention
 from vca_patch.layers.staged_carry import StagedCarriedAttention, default_stage_contrast_tokens
-from vca_patch.targets.base import TargetConfig, is_int
+from vca_patch.targets.base import RecipeOptions, TargetConfig, is_int
 from vca_patch.targets.vca import calibrate as calibration
 from vca_patch.targets.vca import card, fused_cpu, training
+from vca_patch.targets.vca import recipe as recipe_keys
 from vca_patch.targets.vca.builders import build_vca
 from vca_patch.targets.vca.calibrate import VCACalibration
 from vca_patch.targets.vca.layer import VisualContrastAttention
@@ -67,6 +68,8 @@ class VCAConfig(TargetConfig):
     display_name: ClassVar[str] = card.DISPLAY_NAME
     tags: ClassVar[tuple[str, ...]] = card.TAGS
     citation: ClassVar[str] = card.CITATION
+    calibration_options: ClassVar[type] = VCACalibration  # `vca_patch.calibrate`'s keywords for VCA layers
+    recipe_options: ClassVar[RecipeOptions] = recipe_keys.RECIPE_OPTIONS  # lambda_lr, lambda_guard, lambda_max
 
     contrast_tokens: int = dataclasses.field(
         default=49, metadata={"cli": "--contrast-tokens", "help": "Pooled contrast tokens n (a perfect square)"}
@@ -253,8 +256,8 @@ class VCAConfig(TargetConfig):
     def calibrates(self, layer: nn.Module) -> bool:
         return calibration.calibrates(layer)
 
-    def calibrate_layer(self, layer: nn.Module, capture: Any, teacher: Any, measure: Any, **options: Any) -> dict:
-        return calibration.calibrate_layer(layer, capture, teacher, measure, VCACalibration.from_options(options))
+    def calibrate_layer(self, layer: nn.Module, capture: Any, teacher: Any, measure: Any, options: Any) -> dict:
+        return calibration.calibrate_layer(layer, capture, teacher, measure, options)
 
     def grown_tokens(self, tokens: int, num_patches: int) -> int:
         return calibration.grown_tokens(tokens, num_patches)
@@ -272,8 +275,8 @@ class VCAConfig(TargetConfig):
     def parameter_groups(self, model: nn.Module) -> dict[str, list[nn.Parameter]]:
         return {"lambda": training.lambda_parameters(model)}
 
-    def guard_parameters(self, model: nn.Module, high: float) -> int:
-        return training.guard_lambdas(model, high)
+    def guard_parameters(self, model: nn.Module, options: Any) -> int:
+        return training.guard_lambdas(model, options.lambda_max) if options.lambda_guard == "clamp" else 0
 
     def parameter_trace(self, model: nn.Module) -> dict[str, Any]:
         return {"lambda": training.lambda_trace(model)}
