@@ -31,7 +31,8 @@ def export(
         bool | None,
         typer.Option(
             "--dynamic/--static",
-            help="Dynamic batch, height and width (default: dynamic when the original takes any image size)",
+            help="--dynamic: dynamic batch, height and width; --static: every axis fixed (default: dynamic batch, "
+            "and dynamic height and width when the original takes any image size)",
         ),
     ] = None,
     img_size: Annotated[
@@ -42,18 +43,32 @@ def export(
     ] = None,
 ) -> None:
     """Export a converted model to .pt2 or ONNX; the written file is checked against eager (max error printed)."""
-    from vca_patch.export import FORMATS, ExportError, export_folder
+    from vca_patch.checkpoint.folder import read_checkpoint_config
+    from vca_patch.export import FORMATS, ExportError, FixedSizeError, export_folder
 
     if format not in FORMATS:
         raise ExportError(f"unsupported --format {format!r}: choose one of {', '.join(FORMATS)}")
     size = _parse_size(img_size)
+    read_checkpoint_config(directory)  # the input first: a missing folder is named as such, not by its output
     out = output if output is not None else directory.parent / f"{directory.name}.{format}"
     check_output(out, {"model folder": directory}, kind="file", option="-o")
-    result = export_folder(directory, out, format=format, dynamic=dynamic, img_size=size)
+    try:
+        result = export_folder(directory, out, format=format, dynamic=dynamic, img_size=size)
+    except FixedSizeError as exc:  # the command that works: the model's own size, the batch dynamic
+        raise FixedSizeError(f"{exc}: vca-patch export {directory} --format {format}") from None
     shapes = ", ".join(f"{b}x{h}x{w}" for b, h, w in result.checked)
     console.print(
-        f"wrote {result.path} ({result.format}, {'dynamic batch/height/width' if result.dynamic else 'static'}); "
-        f"checked against eager at {shapes} (batch x H x W): max |error| {result.max_error:.2e}",
+        f"wrote {result.path} ({result.format}, {result.axes()}); checked against eager at {shapes} "
+        f"(batch x H x W): max |error| {result.max_error:.2e}",
         highlight=False,
         soft_wrap=True,
     )
+    refused = result.limits if result.format == "pt2" else [r for r in result.limits if r.size in result.unserved]
+    if refused:
+        runtime = "the .pt2 refuses" if result.format == "pt2" else "onnxruntime fails at"
+        console.print(
+            f"note: the traced graph holds only where {refused[0].guard} (a converted layer branches on the grid "
+            f"size); {runtime} other sizes, e.g. {refused[0].height}x{refused[0].width}",
+            highlight=False,
+            soft_wrap=True,
+        )

@@ -2,12 +2,17 @@
 
 Traced, every converted layer takes its composite path (`torch.compiler.is_compiling()` is True under export):
 standard ops and `scaled_dot_product_attention`, no vca_patch custom op, and the token grid follows the input's
-symbolic height and width. With `dynamic`, the batch, height and width are dynamic (height and width as multiples
-of the patch size); the exported model is reloaded from the written file and checked against eager at the export
-size and at a second, non-square size with another batch. Nothing is written unless the check runs."""
+symbolic height and width. Dynamic axes: the batch always (unless `dynamic=False`), the height and width (as
+multiples of the patch size) where the original takes any image size. The exported model is reloaded from the
+written file and checked against eager at the export size and at a second size (another batch; with dynamic
+height and width a non-square size). The program's shape guards are probed over many sizes (`guards.py`): a .pt2
+refuses the sizes outside them, which the result reports; ONNX drops guards, so onnxruntime is also checked at the
+smallest refused sizes and the export fails if it is wrong there. Nothing is written unless every step passes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,25 +22,34 @@ from torch import nn
 
 from vca_patch.checkpoint.folder import from_pretrained
 from vca_patch.core.atomic import atomic_file
-from vca_patch.core.errors import ConfigError
-from vca_patch.core.install import install_hint
 from vca_patch.core.model_io import model_input_size, output_tensor
+from vca_patch.export.errors import ExportError, FixedSizeError
+from vca_patch.export.guards import Guards, Refusal
+from vca_patch.export.onnx_file import onnx_runner, write_onnx
 
 FORMATS = ("pt2", "onnx")
 _MAX_PATCHES = 512  # per side, the dynamic dims' upper bound (a 8192 px image at patch 16)
-
-
-class ExportError(ConfigError):
-    """The model cannot be exported as asked (format, dynamic sizes, a custom op left in the graph)."""
+_MAX_BATCH = 4096
+_NEARBY = ((1, 2), (-1, -2), (1, -1), (-1, 1))  # patches added to the export size for the second check
+_OUTSIDE_CHECKS = 3  # guard-refused probe sizes checked in onnxruntime: the smallest of each guard
 
 
 @dataclass
 class ExportResult:
     path: Path
     format: str
-    dynamic: bool
+    dynamic: bool  # dynamic height and width (the batch is dynamic unless `static`)
     max_error: float  # max |exported - eager| over the checked batches
     checked: list[tuple[int, int, int]] = field(default_factory=list)  # (batch, height, width) checked
+    static: bool = False  # every axis fixed, the batch too
+    limits: list[Refusal] = field(default_factory=list)  # probe sizes the program's guards refuse (a .pt2 raises)
+    unserved: list[tuple[int, int]] = field(default_factory=list)  # refused sizes where onnxruntime fails
+
+    def axes(self) -> str:
+        """The dynamic axes in words."""
+        if self.static:
+            return "static"
+        return "dynamic batch/height/width" if self.dynamic else "dynamic batch, static height/width"
 
 
 class _Images(nn.Module):
@@ -47,6 +61,30 @@ class _Images(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return output_tensor(self.model(images))
+
+
+@contextmanager
+def _unmasked_transformers() -> Iterator[None]:
+    """While tracing, let transformers skip the attention mask of a call without one, as it does in eager.
+
+    Exporting, transformers cannot look at the data to see that no token is masked, so it builds an all-true
+    [B, 1, N, N] mask and hands it to every attention layer; converted layers (linear attention) refuse a mask
+    tensor, and an all-true mask changes nothing. `_Images` passes no mask: told it is not exporting,
+    transformers' check sees no padding mask and passes None, as in eager."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "is_torchdynamo_exporting", None)
+    if original is None:
+        yield
+        return
+    masking_utils.is_torchdynamo_exporting = lambda: False
+    try:
+        yield
+    finally:
+        masking_utils.is_torchdynamo_exporting = original
 
 
 def takes_any_size(model: nn.Module) -> bool:
@@ -68,13 +106,31 @@ def patch_size(model: nn.Module) -> tuple[int, int]:
     return (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
+def _check_format(format: str) -> None:
+    if format not in FORMATS:
+        raise ExportError(f"unsupported format {format!r}: choose one of {', '.join(FORMATS)}")
+
+
+def _dynamic_size(model: nn.Module, dynamic: bool | None) -> bool:
+    """Whether height and width are dynamic: `dynamic`, by default where the model takes any size."""
+    if dynamic is None:
+        return takes_any_size(model)
+    if dynamic and not takes_any_size(model):
+        raise FixedSizeError(
+            f"{type(model).__name__} was built for one image size (its original is fixed-size, no "
+            "dynamic_img_size), so its height and width cannot be dynamic; export without --dynamic (dynamic "
+            "batch, its own image size)"
+        )
+    return dynamic
+
+
 def _image_size(model: nn.Module, img_size: int | tuple[int, int] | None, dynamic: bool) -> tuple[int, int, int]:
     chans, height, width = model_input_size(model)
     if img_size is None:
         return chans, height, width
     h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
     if (h, w) != (height, width) and not takes_any_size(model):
-        raise ExportError(f"the model takes only {height}x{width} images (its original is fixed-size); got {h}x{w}")
+        raise FixedSizeError(f"the model takes only {height}x{width} images (its original is fixed-size); got {h}x{w}")
     if dynamic:
         ph, pw = patch_size(model)
         if h % ph or w % pw:
@@ -82,9 +138,12 @@ def _image_size(model: nn.Module, img_size: int | tuple[int, int] | None, dynami
     return chans, int(h), int(w)
 
 
-def _dynamic_shapes(model: nn.Module) -> tuple[dict[int, Any]]:
+def _dynamic_shapes(model: nn.Module, size: bool) -> tuple[dict[int, Any]]:
+    """The batch dynamic, and with `size` the height and width as multiples of the patch."""
+    batch = torch.export.Dim("batch", min=1, max=_MAX_BATCH)
+    if not size:
+        return ({0: batch},)
     ph, pw = patch_size(model)
-    batch = torch.export.Dim("batch", min=1, max=4096)
     rows = torch.export.Dim("patch_rows", min=1, max=_MAX_PATCHES)
     cols = torch.export.Dim("patch_cols", min=1, max=_MAX_PATCHES)
     return ({0: batch, 2: ph * rows, 3: pw * cols},)
@@ -102,6 +161,11 @@ def _images(batch: int, chans: int, height: int, width: int, seed: int, like: nn
     return x if param is None else x.to(device=param.device, dtype=param.dtype)
 
 
+def _max_error(outputs: list[torch.Tensor], eager: list[torch.Tensor]) -> float:
+    pairs = zip(outputs, eager, strict=True)
+    return max(float((o.to(e.dtype).to(e.device) - e).abs().max()) for o, e in pairs)
+
+
 def export_model(
     model: nn.Module,
     path: str | Path,
@@ -111,67 +175,128 @@ def export_model(
     img_size: int | tuple[int, int] | None = None,
     batch_size: int = 2,
     opset: int | None = None,
+    optimize: bool = True,
 ) -> ExportResult:
     """Export `model` (eval mode, its device and dtype) to `path`; see the module docstring.
 
-    `dynamic`: None exports dynamic sizes where the model takes any size, else static; True on a fixed-size model
-    is an ExportError. `img_size`: the example (and checked) size, default the model's input size."""
-    if format not in FORMATS:
-        raise ExportError(f"unsupported format {format!r}: choose one of {', '.join(FORMATS)}")
-    if dynamic is None:
-        dynamic = takes_any_size(model)
-    elif dynamic and not takes_any_size(model):
-        raise ExportError(
-            f"{type(model).__name__} was built for one image size (its original is fixed-size, no dynamic_img_size): "
-            "a dynamic export is not possible; export it with --static"
-        )
-    chans, height, width = _image_size(model, img_size, dynamic)
+    `dynamic`: None makes height and width dynamic where the model takes any size (the batch always); True on a
+    fixed-size model is a FixedSizeError; False fixes every axis. `img_size`: the example (and checked) size,
+    default the model's input size. ONNX: `opset` the opset version (default: the exporter's), `optimize` runs
+    onnxscript's graph optimiser (constant folding, redundant casts and reshapes removed; False: a faster export
+    of a larger graph, which onnxruntime optimises when it loads it)."""
+    _check_format(format)
+    size = _dynamic_size(model, dynamic)
+    chans, height, width = _image_size(model, img_size, size)
     wrapped = _Images(model).eval()
     example = _images(batch_size, chans, height, width, 0, model)
-    shapes = _dynamic_shapes(model) if dynamic else None
-    checks = [example]
-    if dynamic:
-        ph, pw = patch_size(model)
-        checks.append(_images(batch_size + 1, chans, height + ph, width + 2 * pw, 1, model))  # non-square, new batch
     path = Path(path)
     with torch.no_grad():
-        program = torch.export.export(wrapped, (example,), dynamic_shapes=shapes)
-        leaked = _custom_ops(program)
-        if leaked:
-            raise ExportError(f"custom ops left in the exported graph: {', '.join(leaked)}")
-        eager = [wrapped(x) for x in checks]
+        program = _trace(wrapped, example, None if dynamic is False else _dynamic_shapes(model, size))
+        guards = Guards(program)
+        checks = [example] if dynamic is False else [example, _second_check(model, example, guards, size, format)]
+        limits = guards.probe(example, patch_size(model)) if size else []
+        if format == "onnx":  # no guards in ONNX: check the smallest size that each refusing guard refuses too
+            checks += [_images(1, chans, r.height, r.width, 2, model) for r in _per_guard(limits)]
         with atomic_file(path, suffix=f".{format}") as tmp:
-            if format == "pt2":
-                torch.export.save(program, tmp)
-                run = torch.export.load(tmp).module()
-                outputs = [run(x) for x in checks]
-            else:
-                outputs = _onnx(wrapped, example, shapes, tmp, checks, opset)
-            pairs = zip(outputs, eager, strict=True)
-            error = max(float((o.to(e.dtype).to(e.device) - e).abs().max()) for o, e in pairs)
-    return ExportResult(path, format, dynamic, error, [tuple(x.shape[:1]) + tuple(x.shape[2:]) for x in checks])
-
-
-def _onnx(
-    wrapped: nn.Module, example: torch.Tensor, shapes: Any, tmp: Path, checks: list[torch.Tensor], opset: int | None
-) -> list[torch.Tensor]:
-    try:
-        import onnxruntime
-        import onnxscript  # noqa: F401  (torch's dynamo exporter needs it)
-    except ImportError as exc:
-        raise ExportError(f"ONNX export needs {exc.name}: {install_hint('export')}") from None
-    kwargs = {} if opset is None else {"opset_version": opset}
-    program = torch.onnx.export(
-        wrapped, (example,), dynamo=True, dynamic_shapes=shapes, input_names=["pixel_values"],
-        output_names=["output"], verbose=False, **kwargs,
+            run = _write(program, example, tmp, format, opset, optimize)
+            errors = [_checked(run, wrapped, x, guards.refusal(x)) for x in checks]
+            if len(errors) > 1 and errors[1] is None:
+                raise _not_dynamic(checks[1], guards)
+    served = [(x, e) for x, e in zip(checks, errors, strict=True) if e is not None]
+    unserved = [(x.shape[2], x.shape[3]) for x, e in zip(checks, errors, strict=True) if e is None]
+    return ExportResult(
+        path, format, size, max(e for _, e in served), [(x.shape[0], *x.shape[2:]) for x, _ in served],
+        static=dynamic is False, limits=limits, unserved=unserved,
     )  # fmt: skip
-    domains = {node.domain for node in program.model_proto.graph.node} - {"", "ai.onnx"}
-    if domains:
-        raise ExportError(f"custom op domains left in the ONNX graph: {', '.join(sorted(domains))}")
-    program.save(str(tmp), external_data=False)
-    session = onnxruntime.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
-    return [torch.from_numpy(session.run(None, {name: x.float().cpu().numpy()})[0]) for x in checks]
+
+
+def _trace(wrapped: nn.Module, example: torch.Tensor, shapes: Any) -> torch.export.ExportedProgram:
+    """`torch.export` of `wrapped` on `example`; ExportError when a vca_patch custom op is left in the graph."""
+    with _unmasked_transformers():
+        program = torch.export.export(wrapped, (example,), dynamic_shapes=shapes)
+    leaked = _custom_ops(program)
+    if leaked:
+        raise ExportError(f"custom ops left in the exported graph: {', '.join(leaked)}")
+    return program
+
+
+def _second_check(model: nn.Module, example: torch.Tensor, guards: Guards, size: bool, format: str) -> torch.Tensor:
+    """Images of another batch (and with a dynamic size, of a nearby non-square size) to check the dynamic axes
+    with. A .pt2 takes the first nearby size its guards accept (ExportError when none is); ONNX, which keeps no
+    guard, the first nearby size, which onnxruntime must then serve."""
+    batch, chans, height, width = example.shape
+    if not size:
+        return _images(batch + 1, chans, height, width, 1, model)
+    ph, pw = patch_size(model)
+    nearby = [(height + rows * ph, width + cols * pw) for rows, cols in _NEARBY]
+    nearby = [(h, w) for h, w in nearby if h >= 2 * ph and w >= 2 * pw]
+    for h, w in nearby:
+        candidate = _images(batch + 1, chans, h, w, 1, model)
+        if format == "onnx" or guards.refusal(candidate) is None:
+            return candidate
+    raise _not_dynamic(_images(batch + 1, chans, *nearby[0], 1, model), guards)
+
+
+def _not_dynamic(images: torch.Tensor, guards: Guards) -> ExportError:
+    refused = guards.refusal(images)
+    where = "x".join(str(n) for n in images.shape[2:])
+    return ExportError(
+        f"the exported graph does not serve {where}, near the export size: it holds only where "
+        f"{refused.guard if refused else 'the traced grid'} (a layer branched on the exact grid, e.g. transformers' "
+        "Dinov2 skips interpolating its position embeddings at its own grid), so height and width are not "
+        "dynamic; export at another --img-size, or with --static"
+    )
+
+
+def _write(
+    program: torch.export.ExportedProgram,
+    example: torch.Tensor,
+    tmp: Path,
+    format: str,
+    opset: int | None,
+    optimize: bool,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Write `program` in `format` to `tmp` and return the reloaded model's forward."""
+    if format == "pt2":
+        torch.export.save(program, tmp)
+        return torch.export.load(tmp).module()
+    write_onnx(program, example, tmp, opset, optimize=optimize)
+    return onnx_runner(tmp)
+
+
+def _per_guard(limits: list[Refusal]) -> list[Refusal]:
+    """The first (smallest) refused size of each distinct guard, at most _OUTSIDE_CHECKS."""
+    firsts: dict[str, Refusal] = {}
+    for refusal in limits:
+        firsts.setdefault(refusal.guard, refusal)
+    return list(firsts.values())[:_OUTSIDE_CHECKS]
+
+
+def _checked(
+    run: Callable[[torch.Tensor], torch.Tensor], wrapped: nn.Module, images: torch.Tensor, refused: Refusal | None
+) -> float | None:
+    """max |exported - eager| on `images`. At a size the program's guards refuse (`refused`: ONNX only, which keeps
+    no guard) onnxruntime may fail (None: the size is not served, as a .pt2 would refuse it) or match eager within
+    float32 rounding of the output's scale (a branch traced at one size that computes the same at others); a
+    silent difference there refuses the export."""
+    where = "x".join(str(int(n)) for n in images.shape[2:])
+    expected = wrapped(images)
+    try:
+        out = run(images)
+    except Exception as exc:  # onnxruntime's own errors: a reshape or broadcast of a traced grid
+        if refused is not None:
+            return None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ExportError(f"the exported model fails at {where}: {first[:300]}") from None
+    error = float((out.to(expected.dtype).to(expected.device) - expected).abs().max())
+    if refused is not None and not error <= 1e-4 * (1 + float(expected.abs().max())):
+        raise ExportError(
+            f"the ONNX graph differs from eager by {error:.2e} at {where}, where the traced graph does not hold "
+            f"({refused.guard}: a converted layer branches on the token grid's size, and ONNX keeps no guard); "
+            "export with a static image size for the size you deploy (--static --img-size HxW), or as .pt2, "
+            "which refuses the sizes outside"
+        )
+    return error
 
 
 def export_folder(
@@ -183,7 +308,6 @@ def export_folder(
     img_size: int | tuple[int, int] | None = None,
 ) -> ExportResult:
     """`export_model` on the converted model saved in `directory` (a `save_pretrained` folder)."""
-    if format not in FORMATS:  # before loading anything
-        raise ExportError(f"unsupported format {format!r}: choose one of {', '.join(FORMATS)}")
+    _check_format(format)  # before loading anything
     model = from_pretrained(directory)
     return export_model(model, path, format=format, dynamic=dynamic, img_size=img_size)

@@ -14,6 +14,13 @@ For tokens x [B, N, C] with N = P prefix + H·W grid tokens, per head:
 
 Prefix tokens have no neighbours (their local term is 0). With every binarisation off, hfsc off and no local
 term, A is used as is and o = Σ_j A_ij v_j: the original softmax attention.
+
+With binary weights and inputs, v = I ⊙ s + b per channel (I = sign(x)·sign(W)ᵀ an exact integer, s = c·α) and
+u_i = b + s ⊙ ((1 − k_i)·I_i + Σ_{j∈Υ_i} I_j + γ·Σ_{j∈Φ_i} (I_j − I_i)), since the weights of u sum to 1: the
+counts, the selection and the neighbour sums are then integers, exact in any summation order (float32: while
+N·in_features < 2²⁴), so an update that is 0 stays exactly 0 and sign(0) = 0 in every backend. Summed as floats,
+it left rounding residues (±5e-10) whose sign depended on the order: eager, inductor and onnxruntime then fed
+different ±c inputs to the binary proj.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from torch import nn
 from vca_patch.layers.carried import CarriedAttentionLayer, CarriedLayerOptions
 from vca_patch.layers.fused_qkv import FusedQKVView
 from vca_patch.layers.layout import TokenLayout
-from vca_patch.targets.didb.binary import BinaryWeight, binary_forward
+from vca_patch.targets.didb.binary import BinaryWeight, binary_forward, binary_product
 from vca_patch.targets.didb.haar import haar_split
 
 if TYPE_CHECKING:
@@ -39,24 +46,31 @@ def _rows(weight: torch.Tensor | BinaryWeight, start: int, stop: int) -> torch.T
 
 
 def binarize_attention(attn: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """{0, 1} attention weights: 1[N·A/τ ≥ 1/2] forward, the gradient of clamp(N·A/τ, 0, 1) backward.
+    """{0, 1} attention weights: 1[N·A/τ ≥ 1/2] forward (exactly 0 or 1), the gradient of clamp(N·A/τ, 0, 1)
+    backward.
 
     attn [B, M, N, N] (rows sum to 1), threshold τ [M] (> 0).
     """
     n = attn.shape[-1]
     soft = (attn * n / threshold.view(1, -1, 1, 1).to(attn.dtype)).clamp(0, 1)
-    return soft + ((soft >= 0.5).to(soft.dtype) - soft).detach()
+    return (soft >= 0.5).to(soft.dtype) + (soft - soft.detach())
+
+
+def _window_sum(grid: torch.Tensor) -> torch.Tensor:
+    """Σ over the 3×3 window around each cell inside the grid, [..., H, W, d] -> the same shape: shifted adds of
+    the zero-padded grid (exact for integer values in any backend; no pooling window baked in by exporters)."""
+    padded = F.pad(grid, (0, 0, 1, 1, 1, 1))
+    rows = padded[..., :-2, :, :] + padded[..., 1:-1, :, :] + padded[..., 2:, :, :]
+    return rows[..., :-2, :] + rows[..., 1:-1, :] + rows[..., 2:, :]
 
 
 def neighbour_difference(v: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
     """Σ_{j∈Φ_i} (v_j − v_i) over the 8-neighbourhood inside the grid; 0 for prefix tokens. v [B, M, N, d]."""
     B, M, _, d = v.shape
     P, (H, W) = layout.num_prefix_tokens, layout.grid
-    grid = v[:, :, P:].reshape(B * M, H, W, d).permute(0, 3, 1, 2)  # [B*M, d, H, W]
-    total = F.avg_pool2d(grid, 3, stride=1, padding=1, count_include_pad=True) * 9 - grid  # Σ_Φ v_j (zero pad)
-    ones = torch.ones(1, 1, H, W, device=v.device, dtype=v.dtype)
-    count = F.avg_pool2d(ones, 3, stride=1, padding=1, count_include_pad=True) * 9 - 1  # |Φ_i|
-    diff = (total - count * grid).permute(0, 2, 3, 1).reshape(B, M, H * W, d)
+    grid = v[:, :, P:].reshape(B, M, H, W, d)
+    cells = _window_sum(torch.ones(1, 1, H, W, 1, device=v.device, dtype=v.dtype))  # |Φ_i| + 1
+    diff = (_window_sum(grid) - cells * grid).reshape(B, M, H * W, d)
     return torch.cat([torch.zeros_like(v[:, :, :P]), diff], dim=2)
 
 
@@ -149,14 +163,37 @@ class DIDBAttention(CarriedAttentionLayer):
         clip = clip if self.binarize_activations and name in self.binary else None
         return binary_forward(x, weight, bias, clip, allow_kernel=not self.training)
 
+    def _values(
+        self, x: torch.Tensor, weight: torch.Tensor | BinaryWeight, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(V, s, b) per head [B, M, N, d], [1, M, 1, d], [1, M, 1, d] | None: with binary weights and inputs V is
+        the integer I (v = I ⊙ s + b), else V = v and s = b = None."""
+        if not (self.binarize_activations and "qkv" in self.binary and isinstance(weight, BinaryWeight)):
+            return self._heads(self._linear("qkv", x, weight, bias, self.qkv_clip[0])), None, None
+        integer, scale = binary_product(x, weight, self.qkv_clip[0], allow_kernel=not self.training)
+        per_head = (1, self.num_heads, 1, self.head_dim)
+        return self._heads(integer), scale.view(per_head), None if bias is None else bias.view(per_head)
+
+    def _update(
+        self, attn: torch.Tensor, x: torch.Tensor, layout: TokenLayout, weight: torch.Tensor | BinaryWeight,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The DIBA update o [B, M, N, d] from the attention weights [B, M, N, N] (see the module doc)."""
+        values, scale, shift = self._values(x, weight, bias)
+        count = attn.sum(dim=-1, keepdim=True)  # k_i = |Υ_i| (1 for softmax weights)
+        out = (1 - count) * values + attn @ values
+        if self.local_weight is not None:
+            out = out + self.local_weight.to(x.dtype).view(1, -1, 1, 1) * neighbour_difference(values, layout)
+        if scale is not None:  # back from the integer combination: the weights of u sum to 1, so b passes as is
+            out = out * scale if shift is None else out * scale + shift
+        return out / count.clamp(min=1) if self.normalize else out
+
     def forward_tokens(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """x: [B, N, C] -> [B, N, C']."""
         A = self.attn_dim
         weight, bias = self._weight("qkv"), self.qkv.bias
         w_qk, w_v = _rows(weight, 0, 2 * A), _rows(weight, 2 * A, 3 * A)
         b_qk, b_v = (None, None) if bias is None else (bias[: 2 * A], bias[2 * A :])
-
-        v = self._heads(self._linear("qkv", x, w_v, b_v, self.qkv_clip[0]))  # [B, M, N, d]
 
         def qk(inputs: torch.Tensor, clip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             q, k = self._linear("qkv", inputs, w_qk, b_qk, clip).split(A, dim=-1)
@@ -174,14 +211,7 @@ class DIDBAttention(CarriedAttentionLayer):
         if self.attn_threshold is not None:
             attn = binarize_attention(attn, self.attn_threshold.clamp(min=1e-3))
 
-        count = attn.sum(dim=-1, keepdim=True)  # k_i = |Υ_i| (1 for softmax weights)
-        out = (1 - count) * v + attn @ v
-        if self.local_weight is not None:
-            out = out + self.local_weight.to(x.dtype).view(1, -1, 1, 1) * neighbour_difference(v, layout)
-        if self.normalize:
-            out = out / count.clamp(min=1)
-
-        out = self.norm_and_gate(x, self._merge_heads(out))
+        out = self.norm_and_gate(x, self._merge_heads(self._update(attn, x, layout, w_v, b_v)))
         y = self._linear("proj", out, self._weight("proj"), self.proj.bias, self.proj_clip)
         return self.proj_drop(y)
 

@@ -5,7 +5,9 @@ clipped straight-through estimator 1[|W| ≤ 1], α's flows exactly. Activations
 clip c (BiT-style elastic binarisation): ∂x_b/∂x ≈ 1[|x| ≤ c] (the STE of clamp(x, −c, c)), ∂x_b/∂c = sign(x).
 sign(0) = 0. In PyTorch the ±1 products are emulated in floating point: this is the training path. With both
 binarised, y = (sign(x)·sign(W)ᵀ)·(c·α) + b: the ±1 matmul is an exact integer, so a packed layer's XNOR-popcount
-kernel (didb/kernel.py) gives the same numbers bit for bit.
+kernel (didb/kernel.py) gives the same numbers bit for bit. `binary_product` returns that integer and the scale c·α
+apart, for callers that combine outputs linearly before the next sign (DIDB's attention update): summed as integers
+the combination is exact in any order, so an exact 0 stays 0 in every backend (eager, compiled, onnxruntime).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vca_patch.layers.carried_module import CarriesOriginal
+from vca_patch.targets.didb import kernel
 from vca_patch.targets.didb.bits import all_nonzero_words, unpack_signs
 
 
@@ -147,14 +150,38 @@ def binary_forward(
     if not isinstance(weight, BinaryWeight):
         return F.linear(binarize_activation(x, clip), weight, bias)
     scale = clip.to(weight.scale.dtype) * weight.scale
-    if allow_kernel and weight.words is not None and x.device.type == "cpu" and x.dtype == torch.float32:
-        grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, clip, bias))
-        from vca_patch.targets.didb import kernel
-
-        if not grads and scale.dtype == torch.float32 and kernel.kernel_available():
-            return kernel.xnor_linear(x, weight.words, weight.nonzero, scale, bias)
+    if _use_kernel(x, weight, (x, clip, bias), allow_kernel):
+        return kernel.xnor_linear(x, weight.words, weight.nonzero, scale, bias)
     y = F.linear(_ScaledSign.apply(x, clip), weight.signs.to(x.dtype)) * scale.to(x.dtype)
     return y if bias is None else y + bias
+
+
+def binary_product(
+    x: torch.Tensor, weight: BinaryWeight, clip: torch.Tensor, *, allow_kernel: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sign(x)·sign(W)ᵀ, c·α): the layer's output is their product plus the bias (`binary_forward`'s numbers).
+
+    The first is an exact integer in x's dtype (|value| ≤ in_features), from the XNOR kernel under the same
+    conditions as `binary_forward`, else the float emulation with its straight-through gradients; the second is
+    the per-output-channel scale [O] in x's dtype.
+    """
+    scale = (clip.to(weight.scale.dtype) * weight.scale).to(x.dtype)
+    if _use_kernel(x, weight, (x, clip), allow_kernel):
+        return kernel.xnor_linear(x, weight.words, weight.nonzero, torch.ones_like(scale), None), scale
+    return F.linear(_ScaledSign.apply(x, clip), weight.signs.to(x.dtype)), scale
+
+
+def _use_kernel(
+    x: torch.Tensor, weight: BinaryWeight, inputs: tuple[torch.Tensor | None, ...], allow_kernel: bool
+) -> bool:
+    """The XNOR kernel runs for packed float32 weights and CPU inputs, without autograd, outside traced code
+    (compiled or exported graphs take the float emulation: standard ops only), when the kernel is built."""
+    if not allow_kernel or weight.words is None or x.device.type != "cpu" or x.dtype != torch.float32:
+        return False
+    if weight.scale.dtype != torch.float32 or torch.compiler.is_compiling():
+        return False
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    return not grads and kernel.kernel_available()
 
 
 def binarize_weight(weight: torch.Tensor) -> torch.Tensor:

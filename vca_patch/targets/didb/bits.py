@@ -25,7 +25,8 @@ def pack_bits(flags: torch.Tensor) -> torch.Tensor:
 def unpack_bits(bits: torch.Tensor, in_features: int) -> torch.Tensor:
     """uint8 [O, B] -> bool [O, in_features]."""
     shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
-    return ((bits.unsqueeze(-1) >> shifts) & 1).view(bits.shape[0], -1)[:, :in_features].bool()
+    shifted = torch.bitwise_right_shift(bits.unsqueeze(-1), shifts)  # not `>>`: ONNX exporters lack its overload
+    return (shifted & shifted.new_ones(())).view(bits.shape[0], -1)[:, :in_features].bool()  # a uint8 1
 
 
 def as_words(bits: torch.Tensor) -> torch.Tensor:
@@ -37,9 +38,17 @@ def unpack_signs(
     words: torch.Tensor, nonzero: torch.Tensor | None, in_features: int, *, dtype: torch.dtype
 ) -> torch.Tensor:
     """Dense sign(W) ∈ {−1, 0, 1} [O, K] from int64 sign words (and nonzero words)."""
-    negative = unpack_bits(words.view(torch.uint8), in_features)
-    signs = 1 - 2 * negative.to(dtype)
-    return signs if nonzero is None else signs * unpack_bits(nonzero.view(torch.uint8), in_features).to(dtype)
+    nonzero_bits = None if nonzero is None else nonzero.view(torch.uint8)
+    return signs_from_bits(words.view(torch.uint8), nonzero_bits, in_features, dtype=dtype)
+
+
+def signs_from_bits(
+    bits: torch.Tensor, nonzero: torch.Tensor | None, in_features: int, *, dtype: torch.dtype
+) -> torch.Tensor:
+    """Dense sign(W) ∈ {−1, 0, 1} [O, K] from uint8 sign bits (and nonzero bits): byte shifts only, no
+    reinterpreting view (which exporters to ONNX cannot write)."""
+    signs = 1 - 2 * unpack_bits(bits, in_features).to(dtype)
+    return signs if nonzero is None else signs * unpack_bits(nonzero, in_features).to(dtype)
 
 
 def all_nonzero_words(out_features: int, in_features: int, device: torch.device) -> torch.Tensor:

@@ -13,6 +13,8 @@ from vca_patch.targets.base import TargetConfig
 from vca_patch.targets.didb.attention import DIDBAttention
 from vca_patch.targets.didb.binary import BinaryLinear
 from vca_patch.targets.didb.block import find_mlp
+from vca_patch.targets.didb.model import set_binarization
+from vca_patch.targets.didb.packed import is_packed, load_packed, pack_binary, packed_state_dict
 from vca_patch.targets.didb.rprelu import ImprovedRPReLU
 
 LINEARS = ("qkv", "proj", "fc1", "fc2")
@@ -143,8 +145,6 @@ class DIDBConfig(TargetConfig):
         """Switch weight / activation binarisation (`set_binarization`) of `model` for a recipe stage."""
         self.check_stage_state(state)
         if state:
-            from vca_patch.targets.didb.model import set_binarization  # model.py imports this module
-
             set_binarization(model, **state)
 
     # The packed checkpoint form (io/checkpoint.py `save_pretrained(..., packed=True)`): didb/packed.py.
@@ -152,26 +152,18 @@ class DIDBConfig(TargetConfig):
     def pack(self, model: nn.Module) -> nn.Module:
         """Hold `model`'s binarised Linears packed, in place (`vca_patch.targets.didb.pack_binary`); PatchError without
         binarised weights."""
-        from vca_patch.targets.didb.packed import pack_binary
-
         return pack_binary(model)
 
     def is_packed(self, model: nn.Module) -> bool:
         """Whether `model` holds its binarised Linears as packed bits (it then saves packed only)."""
-        from vca_patch.targets.didb.packed import is_packed
-
         return is_packed(model)
 
     def packed_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """`model`'s state dict with the binarised Linears as sign bits + scales (the model is not changed)."""
-        from vca_patch.targets.didb.packed import packed_state_dict
-
         return packed_state_dict(model)
 
     def load_packed(self, model: nn.Module, state_dict: dict[str, Any], source: str) -> None:
         """Put a freshly built model into the packed form of `state_dict` (ValueError when it does not fit)."""
-        from vca_patch.targets.didb.packed import load_packed
-
         load_packed(model, state_dict, source)
 
     def layer_settings(self, layer: DIDBAttention) -> dict[str, Any]:

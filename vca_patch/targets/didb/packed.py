@@ -26,8 +26,8 @@ from vca_patch.core.patch_state import get_patch_state
 from vca_patch.layers.carried_module import CarriesOriginal
 from vca_patch.layers.fused_qkv import FusedQKVView
 from vca_patch.targets.didb.attention import DIDBAttention
-from vca_patch.targets.didb.binary import BinaryLinear, BinaryWeight
-from vca_patch.targets.didb.bits import as_words, pack_bits, packed_width, unpack_bits
+from vca_patch.targets.didb.binary import BinaryLinear, BinaryWeight, binary_forward
+from vca_patch.targets.didb.bits import as_words, pack_bits, packed_width, signs_from_bits, unpack_bits
 
 PACKED_KEYS = ("weight_signs", "weight_scale", "weight_nonzero")
 
@@ -71,6 +71,12 @@ class PackedBinaryLinear(CarriesOriginal, nn.Module):
         return cls(pack_weight(weight.detach()), bias, **kwargs)
 
     def binary_weight(self) -> BinaryWeight:
+        """α and the signs: as packed words for the XNOR kernel; traced (compile, export), as dense signs unpacked
+        from the stored bytes (the kernel does not run there, and ONNX has no reinterpreting int64 view)."""
+        if torch.compiler.is_compiling():
+            scale = self.weight_scale
+            signs = signs_from_bits(self.weight_signs, self.weight_nonzero, self.in_features, dtype=scale.dtype)
+            return BinaryWeight(scale, self.in_features, dense_signs=signs)
         nonzero = None if self.weight_nonzero is None else as_words(self.weight_nonzero)
         return BinaryWeight(self.weight_scale, self.in_features, words=as_words(self.weight_signs), nonzero=nonzero)
 
@@ -93,8 +99,6 @@ class PackedBinaryLinear(CarriesOriginal, nn.Module):
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from vca_patch.targets.didb.binary import binary_forward
-
         clip = self.act_clip if self.act_clip is not None and self.binarize_activations else None
         return binary_forward(x, self.binary_weight(), self.bias, clip, allow_kernel=not self.training)
 

@@ -126,7 +126,27 @@ def bipartite_soft_matching(metric: torch.Tensor, r: int, prefix: int) -> TokenM
     unit = F.normalize(metric.to(torch.promote_types(metric.dtype, torch.float32)), dim=-1)
     scores = unit[:, prefix::2] @ unit[:, prefix + 1 :: 2].transpose(1, 2)  # (B, Na, Nb)
     best, best_b = scores.max(dim=-1)
-    order = torch.sort(best, dim=-1, descending=True, stable=True).indices
-    src = order[:, :r]
-    kept = order[:, r:].sort(dim=-1).values
+    src, kept = (_ranked_split if torch.compiler.is_compiling() else _sorted_split)(best, r)
     return TokenMerge(prefix, num_tokens, kept, src, best_b.gather(1, src))
+
+
+def _sorted_split(best: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src, kept) from (B, Na) scores: the offsets of the r best in descending order (ties: the lower offset
+    first), and the other offsets ascending."""
+    order = torch.sort(best, dim=-1, descending=True, stable=True).indices
+    return order[:, :r], order[:, r:].sort(dim=-1).values
+
+
+def _ranked_split(best: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_sorted_split` without a sort, for traced graphs (ONNX has no stable sort; a TopK breaks ties its own way):
+    each offset's place in the stable descending order counted by comparisons (O(Na²) booleans), then one scatter
+    puts the kept offsets (ascending) before the merged ones (in rank order)."""
+    batch, num = best.shape
+    index = torch.arange(num, device=best.device)
+    earlier = index.unsqueeze(1) < index.unsqueeze(0)  # [j, i]: offset j comes before offset i
+    above, here = best.unsqueeze(2), best.unsqueeze(1)  # best_j along dim 1, best_i along dim 2
+    rank = ((above > here) | ((above == here) & earlier)).sum(dim=1)  # (B, Na): the place of i in the order
+    merged = rank < r
+    slot = torch.where(merged, rank + (num - r), torch.cumsum(~merged, dim=1) - 1)
+    order = torch.empty_like(rank).scatter_(1, slot, index.expand(batch, -1))
+    return order[:, num - r :], order[:, : num - r]
