@@ -314,3 +314,59 @@ def test_joint_image_text_attention_refuses_the_local_term():
     assert model.state_dict().keys() == before.keys() and all(
         torch.equal(p, before[name]) for name, p in model.state_dict().items()
     )
+
+
+@pytest.mark.skipif(not fused_cpu.kernel_available(), reason=f"kernel: {fused_cpu.kernel_status()}")
+@pytest.mark.parametrize(("prefix", "grid", "kernel"), [(5, (13, 17), 11), (1, (16, 16), 9), (0, (3, 40), 11)])
+def test_fused_op_with_folded_biases_matches_the_float64_loop_reference(prefix, grid, kernel):
+    """The op at DINOv2's head size (d = 64) and the kernels users run (9, 11) on grids larger than the window, ragged
+    ones included, with q's bias, v's bias and the output gain folded in: against the float64 loop reference."""
+    g = torch.Generator().manual_seed(4)
+    N, M, d = prefix + grid[0] * grid[1], 2, 64
+    q, k, v = (torch.randn(1, M, N, d, generator=g) for _ in range(3))
+    q_bias, v_bias, gain = (torch.randn(M * d, generator=g) for _ in range(3))
+    scale = d**-0.5
+    got = fused_cpu.neighbourhood_cpu(q, k, v, prefix, *grid, kernel, scale, q_bias, v_bias, gain)  # [1, H·W, M·d]
+    biased_q = q.double() + q_bias.double().view(1, M, 1, d)
+    expected = _loop_reference(biased_q, k, v, prefix, grid, kernel, scale) + v_bias.double().view(1, M, 1, d)
+    expected = (expected * gain.double().view(1, M, 1, d)).transpose(1, 2).reshape(1, -1, M * d)
+    err = float((got.double() - expected).abs().max() / expected.abs().max())
+    assert err < 1e-5, err  # measured ~2e-7
+    assert float((0.9 * expected - expected).abs().max() / expected.abs().max()) > 1000 * 1e-5
+
+
+@pytest.mark.parametrize(("prefix", "grid", "kernel"), [(1, (6, 7), 3), (0, (12, 11), 5), (1, (40, 10), 3)])
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_path_matches_the_float64_loop_reference(prefix, grid, kernel):
+    """The CUDA path: FlexAttention with its shape-built block mask, run on the CPU (PyTorch's eager reference of
+    flex_attention), against the float64 loop reference."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = _qkv(prefix, grid, seed=5)
+    got = neighbourhood.flex_neighbourhood_attention(q, k, v, TokenLayout(prefix, grid), kernel, 0.35)
+    torch.testing.assert_close(got, _loop_reference(q, k, v, prefix, grid, kernel, 0.35), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("prefix", "grid", "kernel"), [(1, (40, 10), 3), (5, (37, 37), 11), (0, (9, 30), 7)])
+def test_flex_block_mask_visits_every_allowed_pair_and_skips_the_rest(prefix, grid, kernel):
+    """The block mask built from the grid's shape holds every (query, key) pair the mask_mod allows, and leaves
+    out key blocks out of every query's reach (what makes the Flex kernel linear in the tokens)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    N, block = prefix + grid[0] * grid[1], neighbourhood.FLEX_BLOCK
+    mask_mod = neighbourhood.flex_mask_mod(prefix, grid[1], kernel)
+    index = torch.arange(N)
+    pairs = mask_mod(0, 0, index[:, None], index[None])  # [N, N]
+    visited = neighbourhood.flex_block_mask(TokenLayout(prefix, grid), kernel, torch.device("cpu")).to_dense()[0, 0]
+    visited = visited.repeat_interleave(block, 0).repeat_interleave(block, 1)[:N, :N].bool()
+    assert bool((visited | ~pairs).all()) and int(visited.sum()) < N * N  # all allowed pairs; some blocks skipped
+    blocks = -(-N // block)
+    dense_blocks = torch.zeros(blocks, blocks, dtype=torch.bool)
+    for i in range(blocks):
+        for j in range(blocks):
+            dense_blocks[i, j] = pairs[i * block : (i + 1) * block, j * block : (j + 1) * block].any()
+    ours = neighbourhood.flex_block_mask(TokenLayout(prefix, grid), kernel, torch.device("cpu")).to_dense()[0, 0]
+    assert torch.equal(ours.bool(), dense_blocks)  # exactly the blocks holding an allowed pair
+
+
+def test_flex_is_the_path_on_cuda_only():
+    q = torch.zeros(1, 1, 5, 8)
+    assert not neighbourhood.flex_usable(q)  # CPU tensors: the fused kernel or SDPA

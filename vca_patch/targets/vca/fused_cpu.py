@@ -139,8 +139,21 @@ def attend_cpu_into_q(
 
 
 def neighbourhood_cpu(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_prefix: int, H: int, W: int, kernel: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_prefix: int,
+    H: int,
+    W: int,
+    kernel: int,
+    scale: float,
+    q_bias: torch.Tensor | None = None,
+    v_bias: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """torch.ops.vca_patch.neighbourhood_cpu: VCA's local term for float32 inference (q, k, v [B, M, N, d] with a
-    unit channel stride) -> [B, H·W, M·d], token-major; call `kernel_available()` first."""
-    return torch.ops.vca_patch.neighbourhood_cpu(q, k, v, num_prefix, H, W, kernel, scale)
+    unit channel stride) -> [B, H·W, M·d], token-major; call `kernel_available()` first.
+
+    q_bias, v_bias: [M·d] biases not yet added to q and v (k's bias cancels in the softmax), out_scale: a [M·d] gain
+    on the result; each is folded into the op, which spares the layer a pass over q and two over the result."""
+    return torch.ops.vca_patch.neighbourhood_cpu(q, k, v, num_prefix, H, W, kernel, scale, q_bias, v_bias, out_scale)

@@ -324,9 +324,8 @@ class VisualContrastAttention(CarriedAttentionLayer):
             (w_q, q_bias), (w_k, _), (w_v, v_bias) = parts
             q, k, v = (F.linear(x, weight) for weight in (w_q, w_k, w_v))  # [B, N, C] each
             local = None
-            if self.local_window:  # before the kernel writes o over q; values' weights sum to 1: + v's bias after
-                q_local = q if q_bias is None else q + q_bias
-                local = self._local_fused(self._heads(q_local), self._heads(k), self._heads(v), layout, v_bias)
+            if self.local_window:  # before the kernel writes o over q
+                local = self._local_fused(self._heads(q), self._heads(k), self._heads(v), layout, q_bias, v_bias)
             args = (self._heads(k), self._heads(v), P, H, W, q_bias, v_bias, *self.kernel_arguments())
             # eager only (traced calls take the composite path): o over q's buffer, the output in k's (both dead)
             o = self._add_local(fused_cpu.attend_cpu_into_q(q, self._heads(q), *args), local, P)
@@ -338,14 +337,19 @@ class VisualContrastAttention(CarriedAttentionLayer):
         return self.project_out(x, self.apply_token_gain(x, self._add_local(o, local, P), layout))
 
     def _local_fused(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, v_bias: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: TokenLayout,
+        q_bias: torch.Tensor | None = None,
+        v_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """β⊙(neighbourhood attention + v's bias) of the patch rows through the kernel's op: [B, H·W, C]."""
+        """β⊙(neighbourhood attention of q + q's bias, + v's bias) of the patch rows through the kernel's op, which
+        folds the biases and β in: [B, H·W, C]."""
         (H, W), P = layout.grid, layout.num_prefix_tokens
-        local = fused_cpu.neighbourhood_cpu(q, k, v, P, H, W, self.local_window, self.scale)  # [B, H·W, C]
-        if v_bias is not None:
-            local += v_bias
-        return local.mul_(self.local_scale.detach().float())
+        beta = self.local_scale.detach().float().contiguous()
+        return fused_cpu.neighbourhood_cpu(q, k, v, P, H, W, self.local_window, self.scale, q_bias, v_bias, beta)
 
     @staticmethod
     def _add_local(o: torch.Tensor, local: torch.Tensor | None, P: int) -> torch.Tensor:

@@ -1,26 +1,40 @@
-"""Neighbourhood attention of the patch rows: each patch query reads the prefix keys and the k×k patch keys
-around it on the grid, with one softmax over those (neighbours past the grid's edge are left out).
+"""Neighbourhood attention of the patch rows: each patch query reads the prefix keys and the k×k patch keys around it
+on the grid, with one softmax over those (neighbours past the grid's edge are left out).
 
 VCA's optional local term (`VisualContrastAttention(local_window=k)`): the pooled contrast tokens carry the
 global part of a pretrained model's attention, and this carries the sharp, content-dependent local part that a
 fixed depthwise conv cannot. Cost O(H·W·(P + k²)·d) per head: linear in the tokens, like the rest of the layer.
-Float32 CPU inference runs the fused kernel's op (`fused_cpu.neighbourhood_cpu`: one parallel loop, the
-neighbourhood's keys and values read from cache); everything else (training, GPUs, bf16/fp16) runs it as masked
-attention in one SDPA: of 8×8 query blocks over their prefix and halo keys (linear in the tokens), or, on small
-grids where that is cheaper, of every patch query over all keys. A fwd + bwd of 8 images at 16×16 patches, k = 7,
-on 2 CPU cores takes 5-9x less time than k² shifted views of the key and value grids did.
+
+Four ways to compute it, one function:
+
+- float32 CPU inference, eager or under `torch.compile`, runs the fused kernel's op (`fused_cpu.neighbourhood_cpu`:
+  queries vectorised across lanes, no mask, no gather; an opaque call in a compiled graph);
+- CUDA (eager or compiled, any dtype, training included) runs FlexAttention with a block mask built from the
+  grid's shape (`flex_block_mask`), which skips the key blocks out of reach of a query block;
+- everything else (CPU training, bf16/fp16 on the CPU, `torch.export` and ONNX, a CUDA build without Flex) runs
+  masked attention in one SDPA: of 8×8 query blocks over their prefix and halo keys (linear in the tokens) or, on
+  small grids where that is cheaper, of every patch query over all keys.
+
+Every mask is built from aranges of the (possibly symbolic) grid sizes: no data-dependent op, no Python-side cache,
+so a traced graph serves every grid (measured figures: docs/results/deploy.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
-import torch.nn.functional as F
 
 from vca_patch.layers.layout import TokenLayout
 from vca_patch.layers.sdpa import scaled_dot_product_attention
 from vca_patch.targets.vca import fused_cpu
 
-BLOCK = 8  # query blocks of BLOCK × BLOCK patches (8: fastest of 8 and 16 at 16×16 and 37×37 grids, k = 7)
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+BLOCK = 8  # SDPA query blocks of BLOCK × BLOCK patches (8: fastest of 4, 8 and 16 at 16×16 and 37×37 grids, k = 7)
+FLEX_BLOCK = 128  # FlexAttention's sparse block (its default): query and key blocks of 128 tokens
 
 
 def is_local_window(value: object) -> bool:
@@ -29,10 +43,28 @@ def is_local_window(value: object) -> bool:
 
 
 def kernel_usable(*tensors: torch.Tensor) -> bool:
-    """float32 CPU tensors with a unit channel stride, no gradient needed, and the fused kernel built."""
+    """float32 CPU tensors with a unit channel stride, no gradient needed, not being exported (an exported graph
+    must hold standard operators only), and the fused kernel built. Under torch.compile the op is an opaque call
+    whose grid sizes stay symbolic."""
     plain = all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return plain and not grad and not torch.compiler.is_compiling() and fused_cpu.kernel_available()
+    return plain and not grad and not torch.compiler.is_exporting() and fused_cpu.kernel_available()
+
+
+@torch.compiler.assume_constant_result  # traced as a constant: no guard, no graph break
+def flex_available() -> bool:
+    """Whether this PyTorch has FlexAttention and a Triton to compile it with (what its CUDA kernels need)."""
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return has_triton()
+
+
+def flex_usable(q: torch.Tensor) -> bool:
+    """The Flex path: CUDA tensors, not being exported (ONNX has no FlexAttention), and Flex available."""
+    return q.device.type == "cuda" and not torch.compiler.is_exporting() and flex_available()
 
 
 def neighbourhood_attention(
@@ -48,9 +80,11 @@ def neighbourhood_attention(
         P, (H, W) = layout.num_prefix_tokens, layout.grid
         out = fused_cpu.neighbourhood_cpu(q, k, v, P, H, W, kernel, scale)  # [B, H·W, M·d]
         return out.view(B, H * W, M, d).transpose(1, 2)
-    if _dense_is_cheaper(layout, kernel):
-        return _dense_attention(q, k, v, layout, kernel, scale)
-    return _blocked_attention(q, k, v, layout, kernel, scale)
+    if flex_usable(q):
+        return flex_neighbourhood_attention(q, k, v, layout, kernel, scale)
+    if torch.compiler.is_exporting() or not _dense_is_cheaper(layout, kernel):
+        return _blocked_attention(q, k, v, layout, kernel, scale)  # exported: linear at every grid, no size guard
+    return _dense_attention(q, k, v, layout, kernel, scale)
 
 
 def _dense_is_cheaper(layout: TokenLayout, kernel: int) -> bool:
@@ -59,8 +93,22 @@ def _dense_is_cheaper(layout: TokenLayout, kernel: int) -> bool:
     (k = 11) the blocks are 1.5-3x faster."""
     P, (H, W), b = layout.num_prefix_tokens, layout.grid, BLOCK
     dense_logits = H * W * (P + H * W)
-    blocked_logits = -(-H // b) * -(-W // b) * b * b * (P + (b + kernel - 1) ** 2)
+    blocked_logits = _blocks(H, b) * _blocks(W, b) * b * b * (P + (b + kernel - 1) ** 2)
     return dense_logits <= 2 * blocked_logits
+
+
+def _blocks(n: int, b: int) -> int:
+    """⌈n / b⌉ with non-negative operands only: ONNX writes a size's `//` as integer Div, which truncates."""
+    return (n + b - 1) // b
+
+
+def _neighbours(query: torch.Tensor, key: torch.Tensor, width: int, reach: int) -> torch.Tensor:
+    """Whether patch `key` lies within `reach` rows and columns of patch `query` on a grid `width` patches wide
+    (flat row-major indices, broadcast against each other); a negative key (a prefix token) is always allowed."""
+    q_row = query.div(width, rounding_mode="floor")
+    k_row = key.div(width, rounding_mode="floor")
+    near = ((q_row - k_row).abs() <= reach) & ((query - q_row * width - (key - k_row * width)).abs() <= reach)
+    return near | (key < 0)
 
 
 def _dense_attention(
@@ -68,66 +116,128 @@ def _dense_attention(
 ) -> torch.Tensor:
     """`neighbourhood_attention` as one SDPA of the patch queries over all N keys, masked to the prefix and each
     query's neighbourhood: quadratic in the tokens, for small grids."""
-    P, W, r = layout.num_prefix_tokens, layout.grid[1], kernel // 2
-    # each key's grid row and column from one arange (the prefix keys get negative indices and are allowed below):
-    # plain arithmetic on the symbolic sizes, which exporters keep symbolic
+    P, W = layout.num_prefix_tokens, layout.grid[1]
     key = torch.arange(k.shape[2], device=q.device) - P  # [N]: patch index of each key, < 0 for the prefix
-    rows = key.div(W, rounding_mode="floor")
-    cols = key - rows * W
-    near = ((rows[P:, None] - rows[None]).abs() <= r) & ((cols[P:, None] - cols[None]).abs() <= r)  # [H·W, N]
-    mask = near | (key < 0)[None]  # the prefix keys, always
+    mask = _neighbours(key[P:, None], key[None], W, kernel // 2)  # [H·W, N]
     return scaled_dot_product_attention(q[:, :, P:], k, v, attn_mask=mask, scale=scale)
-
-
-def _query_block_mask(layout: TokenLayout, kernel: int, device: torch.device) -> torch.Tensor:
-    """[nb, b², P + S²] bool, True where a query of a BLOCK × BLOCK query block may read a key of its block's keys: the
-    prefix, then its S × S halo (S = BLOCK + kernel − 1) in row-major order. A query reads the prefix and the halo
-    keys within kernel // 2 rows and columns that lie on the grid; the padding queries past the grid's edge (dropped
-    afterwards) read everything, so no softmax row is empty."""
-    P, (H, W), r, b = layout.num_prefix_tokens, layout.grid, kernel // 2, BLOCK
-    S = b + 2 * r
-
-    def axis(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Along one grid axis of n patches: [blocks, b, S] whether each (query, halo key) pair is within reach with
-        the key on the grid, and [blocks, b] whether the query lies past the grid (padding)."""
-        start = torch.arange(0, -(-n // b) * b, b, device=device).view(-1, 1, 1)  # [blocks, 1, 1] first query
-        query = torch.arange(b, device=device).view(1, b, 1)  # offset in the block
-        key = torch.arange(S, device=device).view(1, 1, S)  # offset in the halo, which starts r before the block
-        reach = (key - r - query).abs() <= r
-        on_grid = (start - r + key >= 0) & (start - r + key < n)
-        return reach & on_grid, (start + query >= n)[..., 0]
-
-    rows, padded_rows = axis(H)
-    cols, padded_cols = axis(W)
-    # [Hb, 1, b, 1, S, 1] & [1, Wb, 1, b, 1, S] -> [Hb, Wb, b, b, S, S]
-    allowed = rows[:, None, :, None, :, None] & cols[None, :, None, :, None, :]
-    padding = padded_rows[:, None, :, None] | padded_cols[None, :, None, :]  # [Hb, Wb, b, b]
-    allowed = (allowed | padding[..., None, None]).flatten(4).flatten(2, 3).flatten(0, 1)  # [nb, b², S²]
-    return torch.cat([allowed.new_ones(*allowed.shape[:2], P), allowed], dim=-1)
 
 
 def _blocked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, kernel: int, scale: float
 ) -> torch.Tensor:
     """`neighbourhood_attention` as masked attention of BLOCK × BLOCK query blocks over their prefix + halo keys:
-    one batched SDPA, differentiable, linear in the tokens (each block reads (BLOCK + kernel − 1)² + P keys)."""
+    one 4-D SDPA (the rank ONNX's attention takes), differentiable, linear in the tokens (each block reads
+    (BLOCK + kernel − 1)² + P keys). Queries and keys are gathered by index (`_block_indices`), the output scattered
+    back the same way: no view of a padded grid, whose strides would make a trace specialise on the block counts."""
     B, M, _, d = q.shape
+    b = BLOCK
+    queries, keys, mask, slots = _block_indices(layout, kernel, q.device)
+    nb = mask.shape[0]
+    zero = q.new_zeros(B, M, 1, d)  # token N: what padding queries and off-grid keys read
+
+    def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # [B, M, N, d] -> [B, M·nb, index.shape[1], d]
+        return torch.cat([x, zero], 2).index_select(2, index.flatten()).reshape(B, M * nb, index.shape[1], d)
+
+    mask = mask.expand(M, -1, -1, -1).reshape(1, M * nb, b * b, mask.shape[-1])
+    out = scaled_dot_product_attention(take(q, queries), take(k, keys), take(v, keys), attn_mask=mask, scale=scale)
+    return out.reshape(B, M, nb * b * b, d).index_select(2, slots)  # [B, M, H·W, d]
+
+
+def _block_indices(
+    layout: TokenLayout, kernel: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For `_blocked_attention`, from aranges of the grid's sizes: the token index of each block's queries [nb, b²]
+    and keys [nb, P + S²] (S = BLOCK + kernel − 1: the prefix, then the S × S halo starting kernel // 2 before the
+    block; N for a padding query or an off-grid key), the mask [nb, b², P + S²] (a query reads the prefix and the
+    halo keys within kernel // 2 rows and columns that lie on the grid; a padding query reads everything, so no
+    softmax row is empty) and each patch's slot in the blocks' output [H·W]. Exported, one more block (all padding)
+    keeps nb ≥ 2 at every grid: a trace at a one-block grid would otherwise specialise to one block."""
     P, (H, W), r, b = layout.num_prefix_tokens, layout.grid, kernel // 2, BLOCK
-    Hb, Wb, S = -(-H // b), -(-W // b), b + 2 * r
-    pad_h, pad_w = Hb * b - H, Wb * b - W  # the grid padded to whole blocks
+    S, N, Wb = b + 2 * r, P + H * W, _blocks(W, b)
+    nb = _blocks(H, b) * Wb + int(torch.compiler.is_exporting())
+    block = torch.arange(nb, device=device)
+    block_row = block.div(Wb, rounding_mode="floor")
+    block_col = block - block_row * Wb  # no `%` of a symbolic size: ONNX has no remainder by a traced scalar
+    qy, qx = _offsets(b, device)  # [b²] each: a query's row and column in its block
+    ky, kx = _offsets(S, device)  # [S²]: a key's in its halo
+    y, x = block_row[:, None] * b + qy, block_col[:, None] * b + qx  # [nb, b²]
+    inside = (y < H) & (x < W)
+    queries = torch.where(inside, P + y * W + x, N)
+    y, x = block_row[:, None] * b - r + ky, block_col[:, None] * b - r + kx  # [nb, S²]
+    on_grid = (y >= 0) & (y < H) & (x >= 0) & (x < W)
+    keys = torch.cat([torch.arange(P, device=device).expand(nb, P), torch.where(on_grid, P + y * W + x, N)], 1)
+    reach = ((ky - r - qy[:, None]).abs() <= r) & ((kx - r - qx[:, None]).abs() <= r)  # [b², S²]
+    mask = (reach & on_grid[:, None]) | ~inside[..., None]  # [nb, b², S²]
+    mask = torch.cat([mask.new_ones(nb, b * b, P), mask], -1)
+    patch = torch.arange(H * W, device=device)
+    y = patch.div(W, rounding_mode="floor")
+    x = patch - y * W
+    slots = (y.div(b, rounding_mode="floor") * Wb + x.div(b, rounding_mode="floor")) * b * b + (y % b) * b + x % b
+    return queries, keys, mask, slots
 
-    def grid(x: torch.Tensor) -> torch.Tensor:  # [B, M, N, d] -> patch rows as [B, M, H, W, d]
-        return x[:, :, P:].reshape(B, M, H, W, d)
 
-    def halo(x: torch.Tensor) -> torch.Tensor:  # [B, M, N, d] -> each block's keys [B, nb, M, P + S², d]
-        padded = F.pad(grid(x), (0, 0, r, r + pad_w, r, r + pad_h))  # [B, M, Hb·b + 2r, Wb·b + 2r, d]
-        windows = padded.unfold(2, S, b).unfold(3, S, b)  # [B, M, Hb, Wb, d, S, S]
-        windows = windows.permute(0, 2, 3, 1, 5, 6, 4).reshape(B, Hb * Wb, M, S * S, d)
-        return torch.cat([x[:, None, :, :P].expand(B, Hb * Wb, M, P, d), windows], dim=3)
+def _offsets(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of each cell of an n × n square, row-major: two [n²] tensors."""
+    cell = torch.arange(n * n, device=device)
+    return cell.div(n, rounding_mode="floor"), cell % n
 
-    queries = F.pad(grid(q), (0, 0, 0, pad_w, 0, pad_h)).view(B, M, Hb, b, Wb, b, d)
-    queries = queries.permute(0, 2, 4, 1, 3, 5, 6).reshape(B, Hb * Wb, M, b * b, d)
-    mask = _query_block_mask(layout, kernel, q.device)[:, None]  # [nb, 1, b², P + S²]
-    out = scaled_dot_product_attention(queries, halo(k), halo(v), attn_mask=mask, scale=scale)  # [B, nb, M, b², d]
-    out = out.view(B, Hb, Wb, M, b, b, d).permute(0, 3, 1, 4, 2, 5, 6).reshape(B, M, Hb * b, Wb * b, d)
-    return out[:, :, :H, :W].reshape(B, M, H * W, d)
+
+def flex_mask_mod(num_prefix: int, width: int, kernel: int) -> Callable[..., torch.Tensor]:
+    """FlexAttention's mask_mod over (query, key) token indices: every query reads the prefix keys, and a patch query
+    the patch keys within kernel // 2 rows and columns of its own."""
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        query, key = q_idx - num_prefix, kv_idx - num_prefix
+        return (_neighbours(query, key, width, kernel // 2) & (query >= 0)) | (key < 0)
+
+    return mask_mod
+
+
+def flex_block_mask(layout: TokenLayout, kernel: int, device: torch.device) -> BlockMask:
+    """The BlockMask of `flex_mask_mod` for all N = P + H·W tokens, from the grid's shape (no mask_mod evaluated over
+    all query-key pairs, as `create_block_mask` would): a query block reads the key blocks that overlap the prefix or
+    the grid rows within kernel // 2 of its patches' rows."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    P, (H, W), r, n = layout.num_prefix_tokens, layout.grid, kernel // 2, FLEX_BLOCK
+    blocks = _blocks(P + H * W, n)
+    start = torch.arange(blocks, device=device) * n  # first token of each block
+    first = (start - P).clamp(min=0)  # [nb]: the patch queries [first, last] of each query block
+    last = (start + n - P).clamp(max=H * W) - 1
+    first_row = (first.div(W, rounding_mode="floor") - r).clamp(min=0)  # the key rows within their reach
+    last_row = (last.div(W, rounding_mode="floor") + r).clamp(max=H - 1)
+    lo = P + first_row * W  # their keys [lo, hi); none for a block of prefix queries only
+    hi = torch.where(last >= first, P + (last_row + 1) * W, lo)
+    allowed = ((start[None] < hi[:, None]) & (start[None] + n > lo[:, None])) | (start < P)[None]  # [nb, nb]
+    num_blocks = allowed.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~allowed).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # allowed blocks first
+    return BlockMask.from_kv_blocks(
+        num_blocks[None, None], order[None, None], BLOCK_SIZE=n, mask_mod=flex_mask_mod(P, W, kernel),
+        seq_lengths=(P + H * W, P + H * W),
+    )  # fmt: skip
+
+
+def flex_neighbourhood_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, kernel: int, scale: float
+) -> torch.Tensor:
+    """`neighbourhood_attention` through FlexAttention with `flex_block_mask`: all N queries (the P prefix rows read
+    the prefix keys only and are dropped: a sliced query would be a strided view, and a copy) over all N keys.
+    Under torch.compile one fused kernel; in eager mode PyTorch runs its dense reference implementation (what the
+    CPU tests compare with the float64 loop), so eager CUDA calls go through a compiled Flex (`_flex`)."""
+    block_mask = flex_block_mask(layout, kernel, q.device)
+    return _flex(q.device)(q, k, v, block_mask=block_mask, scale=scale)[:, :, layout.num_prefix_tokens :]
+
+
+def _flex(device: torch.device) -> Callable[..., torch.Tensor]:
+    """flex_attention as it is when traced (the caller's compile fuses it) or on the CPU (the eager reference);
+    else torch.compile(flex_attention), compiled once per process, on its first eager CUDA call."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling() or device.type != "cuda":
+        return flex_attention
+    if "compiled" not in _FLEX:
+        _FLEX["compiled"] = torch.compile(flex_attention, dynamic=True)
+    return _FLEX["compiled"]
+
+
+_FLEX: dict[str, Callable[..., torch.Tensor]] = {}  # eager CUDA only: never read in traced code

@@ -15,8 +15,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
@@ -496,21 +498,352 @@ void attend_cpu_into_q(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
               norm1_weight, norm2_weight, eps1, eps2, scale, exact_prefix, joint, gh, gw, dwc_taps, dwc_bias, out);
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  Vec acc(0.f);
-  for (int64_t c = 0; c < d; c += kLanes) {
-    const int64_t count = std::min(kLanes, d - c);
-    acc = at::vec::fmadd(load(a + c, count), load(b + c, count), acc);
+// ---- VCA's local term (float32 inference): neighbourhood attention of the patch rows --------------------------
+//
+// Vectorised over queries: a block of kLanes consecutive patch queries (row-major grid order, so a block may span
+// two grid rows) reads, for each neighbour offset (dy, dx), the keys at the same flat offset dy·W + dx. With the
+// queries and keys transposed to [d, patches], an offset's logits are one vector per channel, q[c, block] ⊙
+// k[c, block + dy·W + dx]: no horizontal sums, no gathers. Keys past the grid's edge get a −∞ logit from per-lane
+// row and column masks (the transposed keys are zero-padded, so every shifted load stays in the buffer). The
+// softmax runs across offsets, lane by lane; the values are summed per query over its on-grid window, vectorised
+// over channels, and normalised once.
+
+namespace {
+
+constexpr int kMaxColumns = 12;  // key columns (accumulators) per pass over the channels
+
+// acc[i] = Σ_c q[c·q_ld + lanes] ⊙ k[c·k_ld + i + lanes], i < G: the logits of G consecutive key columns.
+template <int G>
+void column_logits(const float* q, int64_t q_ld, const float* k, int64_t k_ld, int64_t d, Vec* acc) {
+  Vec a[G];
+  for (int i = 0; i < G; ++i) a[i] = Vec(0.f);
+  for (int64_t c = 0; c < d; ++c) {
+    const Vec qv = Vec::loadu(q + c * q_ld);
+    const float* kc = k + c * k_ld;
+    for (int i = 0; i < G; ++i) a[i] = at::vec::fmadd(qv, Vec::loadu(kc + i), a[i]);
   }
-  return lane_sum(acc);
+  for (int i = 0; i < G; ++i) acc[i] = a[i];
 }
 
-// VCA's local term (float32 inference): neighbourhood attention of the patch rows. q, k, v [B, M, N, d] as in
-// attend_into (biases already added); N = num_prefix + H·W. Each patch row takes one softmax over the prefix keys
-// and the kernel × kernel patch keys around it that lie on the grid. Returns [B, H·W, M·d]: token-major, the layout
-// of the patch rows of o. One task per (image, head, grid line): the kernel's grid lines of k and v stay in cache.
+template <int... G>
+void column_logits_n(int g, const float* q, int64_t q_ld, const float* k, int64_t k_ld, int64_t d, Vec* acc,
+                     std::integer_sequence<int, G...>) {
+  ((g == G + 1 ? column_logits<G + 1>(q, q_ld, k, k_ld, d, acc) : void()), ...);
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// AVX-512: the G shifted key vectors come from two or three aligned loads and `valignd`, not G unaligned loads
+// (most of which would straddle two cache lines): the keys' row must start 64-byte aligned, Off = its misalignment.
+template <int S>
+inline __m512 shifted(__m512 v0, __m512 v1, __m512 v2) {
+  if constexpr (S == 0) {
+    return v0;
+  } else if constexpr (S < 16) {
+    return _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(v1), _mm512_castps_si512(v0), S));
+  } else if constexpr (S == 16) {
+    return v1;
+  } else {
+    return _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(v2), _mm512_castps_si512(v1), S - 16));
+  }
+}
+
+template <int Off, int... I>
+inline void shifted_fmadd(__m512 q, const float* k, __m512* a, std::integer_sequence<int, I...>) {
+  constexpr int G = sizeof...(I);
+  const __m512 v0 = _mm512_load_ps(k), v1 = _mm512_load_ps(k + 16);
+  const __m512 v2 = Off + G - 1 > 16 ? _mm512_load_ps(k + 32) : v1;
+  ((a[I] = _mm512_fmadd_ps(q, shifted<Off + I>(v0, v1, v2), a[I])), ...);
+}
+
+template <int G, int Off>
+void column_logits_shifted(const float* q, int64_t q_ld, const float* k, int64_t k_ld, int64_t d, Vec* acc) {
+  __m512 a[G];
+  for (int i = 0; i < G; ++i) a[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; ++c) {
+    shifted_fmadd<Off>(_mm512_loadu_ps(q + c * q_ld), k + c * k_ld, a, std::make_integer_sequence<int, G>{});
+  }
+  for (int i = 0; i < G; ++i) acc[i] = Vec(a[i]);
+}
+
+using LogitsFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, Vec*);
+
+template <int G, int... Off>
+constexpr std::array<LogitsFn, 16> shifted_table(std::integer_sequence<int, Off...>) {
+  return {{&column_logits_shifted<G, Off>...}};
+}
+
+template <int... G>
+LogitsFn shifted_logits(int g, int off, std::integer_sequence<int, G...>) {
+  static constexpr std::array<std::array<LogitsFn, 16>, sizeof...(G)> tables{
+      {shifted_table<G + 1>(std::make_integer_sequence<int, 16>{})...}};
+  return tables[g - 1][off];
+}
+#endif
+
+// acc[0:g] = the logits of g consecutive key columns from k (see `column_logits`); k's rows 64-byte aligned
+// at k − (k mod 16 floats), with 48 floats readable from there.
+void key_logits(int g, const float* q, int64_t q_ld, const float* k, int64_t k_ld, int64_t d, Vec* acc) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const int off = static_cast<int>((reinterpret_cast<uintptr_t>(k) / sizeof(float)) % 16);
+  shifted_logits(g, off, std::make_integer_sequence<int, kMaxColumns>{})(q, q_ld, k - off, k_ld, d, acc);
+#else
+  column_logits_n(g, q, q_ld, k, k_ld, d, acc, std::make_integer_sequence<int, kMaxColumns>{});
+#endif
+}
+
+struct LocalGrid {
+  int64_t P, H, W, r, kernel, d;
+  float scale;
+};
+
+constexpr int kGroup = 4;  // consecutive queries of one grid row that share each value row they read
+constexpr int kValueVectors = kLanes >= 16 ? 4 : 2;  // channel vectors per pass (4·kGroup accumulators on AVX-512)
+
+// The probability slots of a block (`neighbourhood_block`): the prefix keys, then per key row a padded run of
+// kernel + 2(kGroup − 1) column slots (zero outside the kernel), so a group's queries read a shared key column at
+// slots one apart, branch-free.
+struct Slots {
+  int64_t P, stride, dy_lo;
+  int64_t at(int64_t row, int64_t dx_padded) const { return P + (row - dy_lo) * stride + dx_padded; }
+};
+
+#if defined(__GNUC__)
+#define VCA_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define VCA_ALWAYS_INLINE inline
+#endif
+
+// Value sums of a group of n queries (y, x0 + i) of one grid row over NV channel vectors (the last `tail` lanes
+// wide when Tail): n·NV accumulators in registers, each value row loaded once for the queries whose window holds it.
+template <int NV, bool Tail>
+VCA_ALWAYS_INLINE void load_values(Vec (&row)[NV], const float* v, int64_t tail) {
+  for (int j = 0; j < NV; ++j) row[j] = Tail && j == NV - 1 ? Vec::loadu(v + j * kLanes, tail) : Vec::loadu(v + j * kLanes);
+}
+
+// queries Lo..Hi of the group add w_i · row; query i's weight at w[i·step]
+template <int Lo, int Hi, int n, int NV>
+VCA_ALWAYS_INLINE void add_values(Vec (&acc)[n][NV], const Vec (&row)[NV], const float* w, int64_t step) {
+  for (int i = Lo; i <= Hi; ++i) {
+    const Vec wi(w[i * step]);
+    for (int j = 0; j < NV; ++j) acc[i][j] = at::vec::fmadd(wi, row[j], acc[i][j]);
+  }
+}
+
+// Key column x0 − r + E (read by queries 0..E) and x0 + r + 1 + E (read by E + 1..n − 1), for E = 0..n − 2: the
+// columns beside those every query of the group reads. One past the grid's edge has weight 0 for every query (a
+// masked slot), so it is read from the edge column instead: no branch.
+template <int E, int n, int NV, bool Tail>
+VCA_ALWAYS_INLINE void edge_values(Vec (&acc)[n][NV], Vec (&row)[NV], const float* w, const float* v, int64_t vr,
+                                   int64_t x0, int64_t r, int64_t W, int64_t tail) {
+  if constexpr (E < n - 1) {
+    const int64_t left = x0 - r + E, right = x0 + r + 1 + E;
+    load_values<NV, Tail>(row, v + std::max(left, int64_t{0}) * vr, tail);
+    add_values<0, E>(acc, row, w + left * kLanes, 1 - kLanes);
+    load_values<NV, Tail>(row, v + std::min(right, W - 1) * vr, tail);
+    add_values<E + 1, n - 1>(acc, row, w + right * kLanes, 1 - kLanes);
+    edge_values<E + 1, n, NV, Tail>(acc, row, w, v, vr, x0, r, W, tail);
+  }
+}
+
+// What one group of queries needs: its probabilities and 1/Σ at the first query's lane (query i's weights are
+// i·(1 − kLanes) further, `Slots`), its first grid position, the head's values and output rows at the pass's
+// channels, and that pass's slice of the value bias and the output gain (nullptr: none).
+struct Group {
+  const float* probs;
+  const float* inv;
+  int64_t y, x0;
+  const float* v;
+  int64_t vr;
+  float* o;
+  int64_t C, tail;
+  const float* bias;
+  const float* gain;
+};
+
+// o[i·C + channels] = gain ⊙ (inv[i] · Σ w·v + bias) over the prefix keys and the on-grid window of the n queries
+// (y, x0 + i) of one grid row (the weights sum to 1: v's bias is added after).
+template <int n, int NV, bool Tail>
+void group_values(const LocalGrid& g, const Slots& slots, const Group& q) {
+  Vec acc[n][NV];
+  Vec row[NV];
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < NV; ++j) acc[i][j] = Vec(0.f);
+  }
+  for (int64_t j = 0; j < g.P; ++j) {  // the prefix slots are not padded: query i's weight at j·kLanes + i
+    load_values<NV, Tail>(row, q.v + j * q.vr, q.tail);
+    add_values<0, n - 1>(acc, row, q.probs + j * kLanes, 1);
+  }
+  const int64_t r = g.r, x0 = q.x0, shared0 = std::max(x0 + n - 1 - r, int64_t{0});
+  const int64_t shared1 = std::min(x0 + r, g.W - 1);
+  for (int64_t yy = std::max(q.y - r, int64_t{0}); yy <= std::min(q.y + r, g.H - 1); ++yy) {
+    const float* w = q.probs + slots.at(yy - q.y, r + kGroup - 1 - x0) * kLanes;  // query 0, key column kx: w[kx·kLanes]
+    const float* v = q.v + (g.P + yy * g.W) * q.vr;
+    for (int64_t kx = shared0; kx <= shared1; ++kx) {
+      load_values<NV, Tail>(row, v + kx * q.vr, q.tail);
+      add_values<0, n - 1>(acc, row, w + kx * kLanes, 1 - kLanes);
+    }
+    edge_values<0, n, NV, Tail>(acc, row, w, v, q.vr, x0, r, g.W, q.tail);
+  }
+  Vec bias[NV], gain[NV];
+  for (int j = 0; j < NV; ++j) {
+    const int64_t lanes = Tail && j == NV - 1 ? q.tail : kLanes;
+    bias[j] = q.bias != nullptr ? load(q.bias + j * kLanes, lanes) : Vec(0.f);
+    gain[j] = q.gain != nullptr ? load(q.gain + j * kLanes, lanes) : Vec(1.f);
+  }
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < NV; ++j) {
+      const Vec out = at::vec::fmadd(acc[i][j], Vec(q.inv[i]), bias[j]) * gain[j];
+      float* dst = q.o + i * q.C + j * kLanes;
+      if (Tail && j == NV - 1) {
+        out.store(dst, q.tail);
+      } else {
+        out.store(dst);
+      }
+    }
+  }
+}
+
+using GroupFn = void (*)(const LocalGrid&, const Slots&, const Group&);
+
+template <int n, int... NV>
+GroupFn group_fn(int nv, bool tail, std::integer_sequence<int, NV...>) {
+  GroupFn fn = nullptr;
+  ((nv == NV + 1 ? (fn = tail ? &group_values<n, NV + 1, true> : &group_values<n, NV + 1, false>) : fn), ...);
+  return fn;
+}
+
+template <int... N>
+GroupFn group_fn(int n, int nv, bool tail, std::integer_sequence<int, N...>) {
+  GroupFn fn = nullptr;
+  ((n == N + 1 ? (fn = group_fn<N + 1>(nv, tail, std::make_integer_sequence<int, kValueVectors>{})) : fn), ...);
+  return fn;
+}
+
+// The value sums of the n ≤ kGroup queries (y, x0 + i), kValueVectors channel vectors at a time. q's v, o, bias and
+// gain point at channel 0 of the head.
+void window_values(const LocalGrid& g, const Slots& slots, int64_t n, const Group& q) {
+  for (int64_t c0 = 0; c0 < g.d; c0 += kValueVectors * kLanes) {
+    const int64_t width = std::min<int64_t>(kValueVectors * kLanes, g.d - c0), tail = width % kLanes;
+    const int nv = static_cast<int>((width + kLanes - 1) / kLanes);
+    const GroupFn fn = group_fn(static_cast<int>(n), nv, tail > 0, std::make_integer_sequence<int, kGroup>{});
+    Group part = q;
+    part.v += c0;
+    part.o += c0;
+    part.tail = tail;
+    if (part.bias != nullptr) part.bias += c0;
+    if (part.gain != nullptr) part.gain += c0;
+    fn(g, slots, part);
+  }
+}
+
+// One (image, head) of a task: its transposed queries [d, ·] (patch p at column p − q_lo, row stride q_ld) and keys
+// (patch p at column p − k_lo, row stride k_ld, rows 64-byte aligned), its key, value and output rows (channel 0 of
+// the head) and its slices of the value bias and output gain (nullptr: none).
+struct Head {
+  const float* qt;
+  int64_t q_lo, q_ld;
+  const float* kt;
+  int64_t k_lo, k_ld;
+  const float* k;
+  int64_t kr;
+  const float* v;
+  int64_t vr;
+  float* o;
+  int64_t C;
+  const float* bias;
+  const float* gain;
+};
+
+// The local term of the queries [p0, p0 + lanes) of one head; buffer: `block_buffer_size` floats.
+void neighbourhood_block(const LocalGrid& g, const Head& head, int64_t p0, int64_t lanes, float* buffer) {
+  const int64_t r = g.r, W = g.W, H = g.H, P = g.P, kernel = g.kernel;
+  const int64_t first_row = p0 / W, last_row = (p0 + lanes - 1) / W;
+  const int64_t dy_lo = std::max(-r, -last_row), dy_hi = std::min(r, H - 1 - first_row);
+  const Slots slots{P, kernel + 2 * (kGroup - 1), dy_lo};
+  float* probs = buffer;                                                   // [slots, lanes]
+  float* column_bias = probs + slots.at(dy_hi + 1, 0) * kLanes;            // [kernel, lanes]: 0 or −∞
+  float* inv = column_bias + kernel * kLanes;                              // [lanes]: 1 / Σ exp
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  // each lane's grid row and column; NaN on padding lanes (past the block), which every mask test then passes
+  alignas(64) float ys[kLanes], xs[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) {
+    ys[l] = l < lanes ? static_cast<float>((p0 + l) / W) : std::numeric_limits<float>::quiet_NaN();
+    xs[l] = l < lanes ? static_cast<float>((p0 + l) % W) : std::numeric_limits<float>::quiet_NaN();
+  }
+  const Vec y_lane = Vec::loadu(ys), x_lane = Vec::loadu(xs), zero(0.f), masked(minus_inf);
+  const auto off_grid = [&](const Vec& at, int64_t size) { return (at < zero) | (at >= Vec(static_cast<float>(size))); };
+  for (int64_t dx = -r; dx <= r; ++dx) {
+    Vec::blendv(zero, masked, off_grid(x_lane + Vec(static_cast<float>(dx)), W)).store(column_bias + (dx + r) * kLanes);
+  }
+  const float* qt = head.qt + (p0 - head.q_lo);
+  const int64_t q_ld = head.q_ld;
+  const Vec s(g.scale);
+  Vec top(minus_inf);
+  for (int64_t j = 0; j < P; ++j) {  // prefix keys: one broadcast channel at a time
+    Vec a(0.f);
+    for (int64_t c = 0; c < g.d; ++c) a = at::vec::fmadd(Vec::loadu(qt + c * q_ld), Vec(head.k[j * head.kr + c]), a);
+    a = a * s;
+    a.store(probs + j * kLanes);
+    top = at::vec::maximum(top, a);
+  }
+  Vec acc[kMaxColumns];
+  for (int64_t dy = dy_lo; dy <= dy_hi; ++dy) {
+    const Vec row_bias = Vec::blendv(zero, masked, off_grid(y_lane + Vec(static_cast<float>(dy)), H));
+    const float* k = head.kt + (p0 + dy * W - r - head.k_lo);
+    float* row = probs + slots.at(dy, kGroup - 1) * kLanes;  // the kernel's columns, dx = −r first
+    for (int64_t x0 = 0; x0 < kernel; x0 += kMaxColumns) {
+      const int n = static_cast<int>(std::min<int64_t>(kMaxColumns, kernel - x0));
+      key_logits(n, qt, q_ld, k + x0, head.k_ld, g.d, acc);
+      for (int i = 0; i < n; ++i) {
+        const Vec logit = at::vec::fmadd(acc[i], s, row_bias + Vec::loadu(column_bias + (x0 + i) * kLanes));
+        logit.store(row + (x0 + i) * kLanes);
+        top = at::vec::maximum(top, logit);
+      }
+    }
+  }
+  // softmax across the slots, lane by lane (every valid query reads its own key: top is finite); zero padding
+  Vec sum(0.f);
+  const auto exp_ = [&](float* x) {
+    const Vec e = (Vec::loadu(x) - top).exp_u20();
+    e.store(x);
+    sum = sum + e;
+  };
+  for (int64_t j = 0; j < P; ++j) exp_(probs + j * kLanes);
+  for (int64_t dy = dy_lo; dy <= dy_hi; ++dy) {
+    float* row = probs + slots.at(dy, 0) * kLanes;
+    for (int64_t i = 0; i < kGroup - 1; ++i) zero.store(row + i * kLanes);
+    for (int64_t i = kGroup - 1; i < kGroup - 1 + kernel; ++i) exp_(row + i * kLanes);
+    for (int64_t i = kGroup - 1 + kernel; i < slots.stride; ++i) zero.store(row + i * kLanes);
+  }
+  (Vec(1.f) / sum).store(inv);
+  // values: groups of up to kGroup consecutive queries of one grid row (at most kernel + 1: each key column beside
+  // those the whole group reads is then read by the queries on its side, `edge_values`)
+  const int64_t group = std::min<int64_t>(kGroup, kernel + 1);
+  for (int64_t l = 0; l < lanes;) {
+    const int64_t p = p0 + l, y = p / W, x = p % W, n = std::min({group, lanes - l, W - x});
+    window_values(g, slots, n, {probs + l, inv + l, y, x, head.v, head.vr, head.o + p * head.C, head.C, 0, head.bias,
+                                head.gain});
+    l += n;
+  }
+}
+
+// floats of `neighbourhood_block`'s buffer
+int64_t block_buffer_size(int64_t P, int64_t kernel) {
+  return (P + kernel * (kernel + 2 * (kGroup - 1)) + kernel + 1) * kLanes;
+}
+
+}  // namespace
+
+// VCA's local term: q, k, v [B, M, N, d] as in attend_into (unit channel stride); N = num_prefix + H·W. Each patch
+// row takes one softmax over the prefix keys and the kernel × kernel patch keys around it that lie on the grid.
+// q_bias, v_bias: [C] biases not yet added to q and v (a k bias cancels in every softmax); out_scale: [C] gain on
+// the result (None: 1). Returns out_scale ⊙ (NA(q + q_bias, k, v) + v_bias), [B, H·W, M·d]: token-major, the layout
+// of the patch rows of o. Tasks: (image, head, part of the grid), each transposing its queries and the keys they
+// reach into a per-thread buffer.
 at::Tensor neighbourhood_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_prefix,
-                             int64_t H, int64_t W, int64_t kernel, double scale) {
+                             int64_t H, int64_t W, int64_t kernel, double scale,
+                             const std::optional<at::Tensor>& q_bias, const std::optional<at::Tensor>& v_bias,
+                             const std::optional<at::Tensor>& out_scale) {
   check_heads(q, "q");
   check_heads(k, "k");
   check_heads(v, "v");
@@ -520,6 +853,9 @@ at::Tensor neighbourhood_cpu(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(P >= 0 && H > 0 && W > 0 && N == P + H * W, "tokens (", N, ") must be prefix + H·W (", P, " + ", H,
               "×", W, ")");
   TORCH_CHECK(kernel > 0 && kernel % 2 == 1, "the neighbourhood kernel must be a positive odd size, got ", kernel);
+  if (q_bias.has_value()) check_vector(*q_bias, C, "q_bias");
+  if (v_bias.has_value()) check_vector(*v_bias, C, "v_bias");
+  if (out_scale.has_value()) check_vector(*out_scale, C, "out_scale");
   at::Tensor out = at::empty({B, H * W, C}, q.options());
   if (B == 0) return out;
   const int64_t qb = q.stride(0), qh_ = q.stride(1), qr = q.stride(2);
@@ -528,45 +864,52 @@ at::Tensor neighbourhood_cpu(const at::Tensor& q, const at::Tensor& k, const at:
   const float* q_data = q.data_ptr<float>();
   const float* k_data = k.data_ptr<float>();
   const float* v_data = v.data_ptr<float>();
+  const float* q_shift = q_bias.has_value() ? q_bias->data_ptr<float>() : nullptr;
+  const float* v_shift = v_bias.has_value() ? v_bias->data_ptr<float>() : nullptr;
+  const float* gain = out_scale.has_value() ? out_scale->data_ptr<float>() : nullptr;
   float* o_data = out.data_ptr<float>();
-  const int64_t reach = kernel / 2, slots = P + kernel * kernel;
-  const float s = static_cast<float>(scale);
-  at::parallel_for(0, B * M * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> logits(slots);
-    std::vector<const float*> rows(slots);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / (M * H), h = (t / H) % M, y = t % H;
-      const float* qh = q_data + b * qb + h * qh_;
+  const LocalGrid g{P, H, W, kernel / 2, kernel, d, static_cast<float>(scale)};
+  const int64_t HW = H * W, heads = B * M, halo = g.r * W + g.r;  // halo: the farthest flat offset of a neighbour
+  const auto round_up = [](int64_t x) { return (x + kLanes - 1) / kLanes * kLanes; };
+  // Split each head's blocks into parts when there are fewer heads than twice the threads (a part also transposes
+  // the keys within reach of its queries: cheap next to its logits while it holds a few grid rows).
+  const int64_t blocks = (HW + kLanes - 1) / kLanes;
+  const int64_t wanted = (2 * at::get_num_threads() + heads - 1) / heads;
+  const int64_t parts = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, blocks * kLanes / (4 * W)));
+  const int64_t part_blocks = (blocks + parts - 1) / parts;
+  at::parallel_for(0, heads * parts, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> buffer;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / parts, b = t / M, h = t % M;
+      const int64_t pa = task % parts * part_blocks * kLanes, pb = std::min(HW, pa + part_blocks * kLanes);
+      if (pa >= pb) continue;
+      // the keys within reach: [pa − halo, pb + halo), plus room for the aligned loads past the last one
+      const int64_t q_len = round_up(pb - pa), k_lo = pa - halo, k_len = round_up(q_len + 2 * halo) + 3 * kLanes;
+      const int64_t size = d * (q_len + k_len) + block_buffer_size(P, kernel) + kLanes;
+      if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+      const uintptr_t misaligned = reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float) % kLanes;
+      float* qt = buffer.data() + (kLanes - misaligned) % kLanes;
+      float* kt = qt + d * q_len;
+      const float* qh = q_data + b * qb + h * qh_ + P * qr;  // patch rows
       const float* kh = k_data + b * kb + h * kh_;
-      const float* vh = v_data + b * vb + h * vh_;
-      const int64_t y0 = std::max<int64_t>(0, y - reach), y1 = std::min<int64_t>(H - 1, y + reach);
-      for (int64_t x = 0; x < W; ++x) {
-        const float* q_row = qh + (P + y * W + x) * qr;
-        int64_t count = 0;
-        for (int64_t p = 0; p < P; ++p) {
-          logits[count] = s * dot(q_row, kh + p * kr, d);
-          rows[count++] = vh + p * vr;
+      const int64_t k0 = std::max<int64_t>(0, k_lo), k1 = std::min(HW, k_lo + k_len);  // keys on the grid
+      at::vec::transpose_mxn<float>(qh + pa * qr, qr, qt, q_len, static_cast<int>(pb - pa), static_cast<int>(d));
+      at::vec::transpose_mxn<float>(kh + (P + k0) * kr, kr, kt + (k0 - k_lo), k_len, static_cast<int>(k1 - k0),
+                                    static_cast<int>(d));
+      for (int64_t c = 0; c < d; ++c) {
+        float* q_row = qt + c * q_len;
+        if (q_shift != nullptr) {
+          const Vec shift(q_shift[h * d + c]);
+          for (int64_t i = 0; i < pb - pa; i += kLanes) store(load(q_row + i, std::min(kLanes, pb - pa - i)) + shift, q_row + i, std::min(kLanes, pb - pa - i));
         }
-        const int64_t x0 = std::max<int64_t>(0, x - reach), x1 = std::min<int64_t>(W - 1, x + reach);
-        for (int64_t yy = y0; yy <= y1; ++yy) {
-          for (int64_t xx = x0; xx <= x1; ++xx) {
-            const int64_t j = P + yy * W + xx;
-            logits[count] = s * dot(q_row, kh + j * kr, d);
-            rows[count++] = vh + j * vr;
-          }
-        }
-        float top = -std::numeric_limits<float>::infinity(), sum = 0.f;
-        for (int64_t i = 0; i < count; ++i) top = std::max(top, logits[i]);
-        for (int64_t i = 0; i < count; ++i) sum += (logits[i] = std::exp(logits[i] - top));
-        const float inv = 1.f / sum;
-        float* o = o_data + (b * H * W + y * W + x) * C + h * d;
-        for (int64_t c = 0; c < d; c += kLanes) {
-          const int64_t lanes = std::min(kLanes, d - c);
-          Vec acc(0.f);
-          for (int64_t i = 0; i < count; ++i) acc = at::vec::fmadd(Vec(logits[i] * inv), load(rows[i] + c, lanes), acc);
-          store(acc, o + c, lanes);
-        }
+        std::fill(q_row + (pb - pa), q_row + q_len, 0.f);
+        std::fill(kt + c * k_len, kt + c * k_len + (k0 - k_lo), 0.f);
+        std::fill(kt + c * k_len + (k1 - k_lo), kt + (c + 1) * k_len, 0.f);
       }
+      const Head head{qt, pa, q_len, kt, k_lo, k_len, kh, kr, v_data + b * vb + h * vh_, vr, o_data + b * HW * C + h * d,
+                      C, v_shift != nullptr ? v_shift + h * d : nullptr, gain != nullptr ? gain + h * d : nullptr};
+      float* block_buffer = kt + d * k_len;
+      for (int64_t p0 = pa; p0 < pb; p0 += kLanes) neighbourhood_block(g, head, p0, std::min(kLanes, pb - p0), block_buffer);
     }
   });
   return out;
@@ -583,8 +926,9 @@ TORCH_LIBRARY(vca_patch, m) {
   m.def("attend_cpu(Tensor q, " VCA_ATTEND_ARGUMENTS ") -> Tensor",
         {at::Tag::needs_fixed_stride_order});  // under torch.compile, inputs keep their eager strides
   m.def("attend_cpu_into_q(Tensor(a!) q, " VCA_ATTEND_ARGUMENTS ") -> ()");
-  m.def("neighbourhood_cpu(Tensor q, Tensor k, Tensor v, int num_prefix, int H, int W, int kernel, float scale) "
-        "-> Tensor");
+  m.def("neighbourhood_cpu(Tensor q, Tensor k, Tensor v, SymInt num_prefix, SymInt H, SymInt W, int kernel, float scale, "
+        "Tensor? q_bias=None, Tensor? v_bias=None, Tensor? out_scale=None) -> Tensor",
+        {at::Tag::needs_fixed_stride_order});  // under torch.compile, inputs keep their eager strides
 }
 
 TORCH_LIBRARY_IMPL(vca_patch, CPU, m) {
