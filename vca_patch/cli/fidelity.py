@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
 from vca_patch.bench.report import write_json
 from vca_patch.cli.common import DEVICE_HELP, DTYPE_HELP, console, fail, resolve_device, resolve_dtype
+from vca_patch.cli.target_options import split_options, typer_command
 from vca_patch.targets import CONFIG_TYPES
 
 KINDS = ("fashion_mnist", "imagefolder", "hf")
@@ -69,82 +71,104 @@ def report_skipped(*datasets) -> None:
             err_console.print(f"warning: {line}", highlight=False, soft_wrap=True, markup=False)
 
 
-def fidelity(
-    checkpoint: Annotated[Path, typer.Argument(help="A converted checkpoint folder (save_pretrained / convert)")],
-    data: Annotated[str | None, typer.Option(help="Dataset: idx folder, ImageFolder root or HF dataset name")] = None,
+@dataclass
+class FidelityArgs:
+    """`fidelity`'s options."""
+
+    checkpoint: Annotated[Path, typer.Argument(help="A converted checkpoint folder (save_pretrained / convert)")]
+    data: Annotated[str | None, typer.Option(help="Dataset: idx folder, ImageFolder root or HF dataset name")] = None
     data_kind: Annotated[
         str | None,
         typer.Option(help="fashion_mnist, imagefolder or hf (default: from --data: idx files, a folder, or a name)"),
-    ] = None,
+    ] = None
     split: Annotated[
         str, typer.Option(help="Split to measure on (ImageFolder: its sub-folder; val/test aliases; flat: held out)")
-    ] = "test",
-    limit: Annotated[int, typer.Option(help="Images to measure on")] = 512,
-    skip_bad_images: Annotated[bool, typer.Option("--skip-bad-images", help=SKIP_HELP)] = False,
-    batch_size: Annotated[int, typer.Option(help="Batch size")] = 64,
+    ] = "test"
+    limit: Annotated[int, typer.Option(help="Images to measure on")] = 512
+    skip_bad_images: Annotated[bool, typer.Option("--skip-bad-images", help=SKIP_HELP)] = False
+    batch_size: Annotated[int, typer.Option(help="Batch size")] = 64
     original: Annotated[
         Path | None,
         typer.Option(help="Checkpoint whose original attention is the reference (default: CHECKPOINT's own)"),
-    ] = None,
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG of the per-layer errors (needs matplotlib)")] = None,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write the full report as JSON")] = None,
-    device: Annotated[str, typer.Option(help=f"Where to run both models: {DEVICE_HELP}")] = "auto",
-    dtype: Annotated[str, typer.Option(help=f"{DTYPE_HELP} of both models (errors are summed in float64)")] = (
-        "float32"
-    ),
-) -> None:
+    ] = None
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of the per-layer errors (needs matplotlib)")] = None
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the full report as JSON")] = None
+    device: Annotated[str, typer.Option(help=f"Where to run both models: {DEVICE_HELP}")] = "auto"
+    dtype: Annotated[str, typer.Option(help=f"{DTYPE_HELP} of both models (errors are summed in float64)")] = "float32"
+
+
+@typer_command(FidelityArgs, target_options=False)
+def fidelity(**options: Any) -> None:
     """Per-layer attention error, final-feature cosines and top-1 agreement of CHECKPOINT vs its original."""
+    args, _ = split_options(FidelityArgs, options)
+    _check_options(args)
+    model, reference = _load_models(args)
+    if type(model).__module__.startswith("diffusers."):  # latents, timesteps and conditions instead of images
+        diffusion_fidelity(model, reference, args.data, args.limit, args.json_out)
+        return
+    report = _measure_on_images(args, model, reference)
+    console.print(layers_table(report))
+    console.print(measured_table(report))
+    _write_report(args, report)
+
+
+def _check_options(args: FidelityArgs) -> None:
+    """Counts, and --json / --plot before any work: never an input, never inside one, their folder exists."""
+    from vca_patch.core.paths import check_output
+
+    if args.limit < 1:
+        fail(f"--limit must be at least 1 image, got {args.limit}", 2)
+    if args.batch_size < 1:
+        fail(f"--batch-size must be at least 1, got {args.batch_size}", 2)
+    inputs = {"checkpoint": args.checkpoint, "--original checkpoint": args.original, "--data": args.data}
+    for option, out in (("--json", args.json_out), ("--plot", args.plot)):
+        if out is not None:
+            check_output(out, inputs, kind="file", option=option)
+    if args.json_out is not None and args.plot is not None and args.json_out.resolve() == args.plot.resolve():
+        fail(f"--json and --plot are the same file {args.json_out}; name two files", 2)
+
+
+def _load_models(args: FidelityArgs) -> tuple[Any, Any]:
+    """The converted model, and the reference teacher from --original (None: the model's own originals)."""
+    from vca_patch.checkpoint import from_pretrained
+    from vca_patch.train.finetune import teacher_from
+
+    device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
+    model = from_pretrained(args.checkpoint, device=device).to(dtype)
+    if args.original is None:
+        return model, None
+    return model, teacher_from(from_pretrained(args.original, device=device).to(dtype))
+
+
+def _measure_on_images(args: FidelityArgs, model: Any, reference: Any) -> Any:
+    """The FidelityReport of `model` on --limit images of --data (at the model's input size)."""
     import torch
     from torch.utils.data import DataLoader
 
-    from vca_patch.checkpoint import from_pretrained
     from vca_patch.core.model_io import model_input_size
-    from vca_patch.core.paths import check_output
     from vca_patch.data import build_dataset
     from vca_patch.eval.fidelity import fidelity as measure
-    from vca_patch.train.finetune import teacher_from
 
-    if limit < 1:
-        fail(f"--limit must be at least 1 image, got {limit}", 2)
-    if batch_size < 1:
-        fail(f"--batch-size must be at least 1, got {batch_size}", 2)
-    inputs = {"checkpoint": checkpoint, "--original checkpoint": original, "--data": data}
-    for option, out in (("--json", json_out), ("--plot", plot)):
-        if out is not None:  # before any work: never an input, never inside one, its folder exists
-            check_output(out, inputs, kind="file", option=option)
-    if json_out is not None and plot is not None and Path(json_out).resolve() == Path(plot).resolve():
-        fail(f"--json and --plot are the same file {json_out}; name two files", 2)
-    torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
-    model = from_pretrained(checkpoint, device=torch_device).to(torch_dtype)
-    reference = None
-    if original is not None:
-        reference = teacher_from(from_pretrained(original, device=torch_device).to(torch_dtype))
-    if type(model).__module__.startswith("diffusers."):  # latents, timesteps and conditions instead of images
-        diffusion_fidelity(model, reference, data, limit, json_out)
-        return
-    spec = data_spec(data_kind, data, split, limit, skip_bad_images=skip_bad_images)
+    spec = data_spec(args.data_kind, args.data, args.split, args.limit, skip_bad_images=args.skip_bad_images)
     size = model_input_size(model)
-    dataset = build_dataset(
-        spec,
-        split,
-        training=False,
-        img_size=size[1],
-        model_cfg={**(getattr(model, "pretrained_cfg", None) or {}), "input_size": size},
-    )
+    model_cfg = {**(getattr(model, "pretrained_cfg", None) or {}), "input_size": size}
+    dataset = build_dataset(spec, args.split, training=False, img_size=size[1], model_cfg=model_cfg)
     with torch.no_grad():
-        loader = DataLoader(dataset, batch_size=batch_size)
-        report = measure(reference, model, Batches(loader, f"Measuring on {min(limit, len(dataset))} images"))
+        loader = DataLoader(dataset, batch_size=args.batch_size)
+        report = measure(reference, model, Batches(loader, f"Measuring on {min(args.limit, len(dataset))} images"))
     report_skipped(dataset)
-    console.print(layers_table(report))
-    console.print(measured_table(report))
-    if json_out is not None:
-        write_json(report.to_dict(), json_out)
-    if plot is not None:
+    return report
+
+
+def _write_report(args: FidelityArgs, report: Any) -> None:
+    if args.json_out is not None:
+        write_json(report.to_dict(), args.json_out)
+    if args.plot is not None:
         try:
-            report.plot(plot)
+            report.plot(args.plot)
         except ImportError as exc:  # matplotlib missing: what to install
             fail(str(exc), 2)
-        console.print(f"wrote {plot}")
+        console.print(f"wrote {args.plot}")
 
 
 def layers_table(report) -> Table:

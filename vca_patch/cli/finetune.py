@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -86,30 +86,16 @@ def finetune(
     (or torchrun); every stage runs on the chosen device, under the chosen autocast dtype.
     """
     from vca_patch.checkpoint import CheckpointError
-    from vca_patch.core.errors import ConfigError
     from vca_patch.train import finetune as run
     from vca_patch.train import load_recipe
-    from vca_patch.train.checkpoints import latest_checkpoint
-    from vca_patch.train.engine import make_accelerator
-    from vca_patch.train.finetune import resume_point
 
     spec = load_recipe(recipe)
     if skip_bad_images:
         spec.data.skip_bad_images = True
     check_finetune_output(converted, recipe, spec, output, resume=resume, force=force)
     if resume:
-        step = resume_point(output)
-        if step is None:
-            fail(f"--resume: {output} holds no training checkpoint (checkpoints/step_*); run without --resume", 2)
-        console.print(f"Resuming from step {step} ({latest_checkpoint(output)})", highlight=False)
-    try:
-        accelerator = make_accelerator(
-            mixed_precision or spec.train.mixed_precision,
-            device="cpu" if cpu else device,
-            grad_accum=spec.train.grad_accum,
-        )
-    except ValueError as exc:  # --device / --mixed-precision: the user's to fix
-        raise ConfigError(str(exc)) from exc
+        _announce_resume(output)
+    accelerator = _accelerator(mixed_precision or spec.train.mixed_precision, "cpu" if cpu else device, spec)
     if accelerator.is_main_process:  # a second run into --output fails at once, naming this one
         hold(output_lock(output, "vca-patch finetune"))
     # errors (recipe, data, checkpoint: 2; diverged: 1; Ctrl-C: 130, SIGTERM: 143) are reported by the CLI's boundary
@@ -117,9 +103,33 @@ def finetune(
         result = run(converted, spec, output, resume=resume, accelerator=accelerator)
     except FileNotFoundError as exc:  # an incomplete training checkpoint under --output: the user's files
         raise CheckpointError(str(exc)) from exc
-    if not accelerator.is_main_process:
-        return
-    final = result.metrics.get("final", {})
+    if accelerator.is_main_process:
+        _print_result(output, result.metrics.get("final", {}))
+
+
+def _announce_resume(output: Path) -> None:
+    """The step --resume continues from, or a one-line refusal when --output holds no training checkpoint."""
+    from vca_patch.train.checkpoints import latest_checkpoint
+    from vca_patch.train.finetune import resume_point
+
+    step = resume_point(output)
+    if step is None:
+        fail(f"--resume: {output} holds no training checkpoint (checkpoints/step_*); run without --resume", 2)
+    console.print(f"Resuming from step {step} ({latest_checkpoint(output)})", highlight=False)
+
+
+def _accelerator(mixed_precision: str, device: str, spec: Any) -> Any:
+    """The accelerate Accelerator for --device and the autocast dtype; a bad value is the user's to fix."""
+    from vca_patch.core.errors import ConfigError
+    from vca_patch.train.engine import make_accelerator
+
+    try:
+        return make_accelerator(mixed_precision, device=device, grad_accum=spec.train.grad_accum)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def _print_result(output: Path, final: dict[str, float]) -> None:
     keys = ("top1_patched", "top1_agreement", "cls_cosine", "prediction_error", "mean_layer_error")  # (diffusion)
     shown = ", ".join(f"{k} {final[k]:.4f}" for k in keys if k in final)
     console.print(f"[bold green]Recovered[/] {output}/ ({shown}); metrics in {output}/metrics.json")
