@@ -1,11 +1,13 @@
-"""The GPU check: one command that tells whether VCA is right and fast on a CUDA GPU (each section under 6 minutes).
+"""The GPU check: one command that tells whether VCA is right and fast on a CUDA GPU (under 6 minutes in all).
 
     python benchmarks/gpu_check.py                  # a CUDA machine (H100/H200): benchmarks/results/gpu_check.json
     python benchmarks/gpu_check.py --output $OUT/gpu_check.json --budget 330
     python benchmarks/gpu_check.py --dry-run-cpu    # every section tiny on the CPU: tests the code, not the GPU
+    python benchmarks/gpu_check.py --table FILE     # the Markdown summary (docs/results/gpu.md) of a written JSON
 
-Sections (each runs in its own process under a time cap; one that fails or runs out of time is recorded as
-"failed" or "timeout" with its error and whatever it measured so far, and the next one runs):
+Sections (each runs in its own process under a time cap, its share of the budget that is left; one that fails or
+runs out of time is recorded as "failed" or "timeout" with its error and whatever it measured so far, and the next
+one runs). By default: bf16_fidelity, profile, deploy (recipe and timing when named in --sections).
 
   bf16_fidelity  a patched deit_small at 224 px (random weights) in float32, under bf16 autocast and with bf16
                  weights, against a float64 copy: output relative error and per-layer (free-running) errors, next
@@ -14,26 +16,32 @@ Sections (each runs in its own process under a time cap; one that fails or runs 
                  few dozen steps on random images: losses, fidelity before/after, images/s.
   profile        torch.profiler over one forward of a 2-block DeiT-S (VCA and the original) at 224 and 1024 px:
                  top kernels by CUDA time, and which of them are flash-attention kernels.
-  timing         original (timm's fused SDPA) / VCA eager / VCA torch.compile at 224, 512, 1024, 2048 px, 2-block
-                 DeiT-S, batch 64 to 4, bf16 autocast: CUDA events, warm-up, median of >= 20 runs, peak memory.
-
-  deploy         DINOv2-S shapes (2 blocks, random weights): the original (timm's fused SDPA) vs VCA, VCA + local
-                 term (k = 11) and MANO, eager / torch.compile(dynamic=True) / the same with CUDA graphs
-                 ("reduce-overhead"), bf16 autocast, 224 / 518 / 1036 / 2044 px: median ms, peak memory, the
-                 converted/original ratios (both compiled the same way) and the token count where each converted
-                 model overtakes the original; graph breaks (torch._dynamo.explain), the attention kernels each
-                 launches, and the exported ONNX model in onnxruntime's CUDA provider when installed.
-                 `--sections deploy` runs it alone in about 5 minutes.
+  timing         original (timm's fused SDPA) / VCA eager / VCA torch.compile(dynamic=False, one compile per size) at
+                 224, 512, 1024, 2048 px, 2-block DeiT-S: the first GPU run's table (the deploy section supersedes it).
+  deploy         DINOv2-S shapes (vit_small_patch14_dinov2, 2 blocks, random weights, any image size): the original
+                 (timm's fused SDPA) vs VCA, VCA + local term (k = 11) and MANO; eager / torch.compile(dynamic=True)
+                 / the same with CUDA graphs (mode="reduce-overhead"), every model compiled the same way, one compile
+                 serving every size (its seconds reported apart); bf16 autocast; 224 / 518 / 1036 / 2048 px. Per
+                 row: CUDA events after warm-up, median, peak memory. Then the converted/original ratios, the token
+                 count where each converted model overtakes its original (interpolated in log tokens between the
+                 measured sizes), graph breaks (torch._dynamo.explain), the SDPA backend each model runs (flash /
+                 cudnn / efficient / math, from the aten op SDPA dispatches to; FlexAttention kernels), and the
+                 ONNX export (dynamic batch/height/width) in onnxruntime's CUDA provider, "skipped" with the reason
+                 where onnxruntime-gpu is not installed. Each step records its own error and the next one runs.
 
 Models have random weights (the GPU machine has no network). The JSON holds `meta` (versions, GPU) and one entry
-per section: status ("ok", "failed", "timeout", "skipped"), seconds, cap_s, error, and the section's numbers.
-Exit status 0 when every section is ok, 1 otherwise; 2 without a CUDA GPU (unless --dry-run-cpu).
+per section: status ("ok", "failed", "timeout", "skipped"), seconds, cap_s, error, and the section's numbers; the
+Markdown summary is printed at the end. Exit status 0 when every section is ok, 1 otherwise; 2 without a CUDA GPU
+(unless --dry-run-cpu).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
+import gc
 import itertools
 import json
 import math
@@ -52,9 +60,10 @@ from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
 SECTIONS = ("bf16_fidelity", "recipe", "profile", "timing", "deploy")
-# caps sum to 600 s for every section; `--sections deploy --budget 300` is the 5-minute deployment check
-CAPS_S = {"bf16_fidelity": 45, "recipe": 90, "profile": 45, "timing": 120, "deploy": 300}
-DEFAULT_BUDGET_S = 600.0
+DEFAULT_SECTIONS = ("bf16_fidelity", "profile", "deploy")  # recipe and timing: measured in the first run, on request
+# a section's cap: its share of the budget left, among the sections still to run (an early finish passes its time on)
+SHARES = {"bf16_fidelity": 30, "recipe": 40, "profile": 25, "timing": 120, "deploy": 275}
+DEFAULT_BUDGET_S = 330.0
 BF16_TOLERANCE = 2e-2  # relative output error of bf16 VCA against float64 (docs/gpu.md §7)
 
 
@@ -80,14 +89,21 @@ class Plan:
     repeats: int = 20
     compile_mode: str | None = None  # torch.compile mode (None: inductor's default)
     compile_backend: str = "inductor"
-    compile_reserve_s: float = 40.0  # skip a compile with less time than this left
+    compile_reserve_s: float = 40.0  # skip a compile with less time than this left (then 1.5x the last compile)
     mixed_precision: str = "bf16"
+    min_repeats: int = 5  # timed calls per row, at least (deploy)
+    row_seconds: float = 2.0  # timed calls per row: as many as fit (up to `repeats`) (deploy)
     # deploy: DINOv2-S shapes (width 384, 6 heads, patch 14) at `deploy_depth` blocks, random weights
     deploy_model: str = "vit_small_patch14_dinov2"
     deploy_depth: int = 2
-    deploy_px: dict[int, int] = field(default_factory=lambda: {224: 32, 518: 8, 1036: 2, 2044: 2})  # px (x14) -> batch
+    deploy_px: dict[int, int] = field(default_factory=lambda: {224: 32, 518: 8, 1036: 2, 2048: 2})  # px -> batch
     deploy_modes: tuple[str, ...] = ("eager", "compile", "cudagraphs")
-    deploy_compiled: tuple[str, ...] = ("original", "vca", "vca_local11")  # MANO: eager only (compile time)
+    deploy_compiled: tuple[str, ...] = ("original", "vca", "vca_local11", "mano")  # by priority: the first two first
+    deploy_onnx: tuple[str, ...] = ("vca", "original", "vca_local11", "mano")  # by priority, as above
+    onnx_provider: str = "CUDAExecutionProvider"
+    onnx_checks: tuple[tuple[int, int, int], ...] = ((2, 224, 224), (3, 518, 364))  # (batch, height, width)
+    onnx_latency: tuple[int, int] = (8, 518)  # (batch, px)
+    onnx_reserve_s: float = 30.0  # export, session, checks
 
 
 def dry_run_plan() -> Plan:
@@ -98,7 +114,9 @@ def dry_run_plan() -> Plan:
         recipe_model_args=tiny, recipe_px=64, recipe_batch=4, recipe_steps=2, recipe_images=16, recipe_eval_images=4,
         bench_depth=1, profile_px={64: 1}, timing_px={48: 1, 64: 1},
         warmup=1, repeats=3, compile_backend="eager", compile_reserve_s=5.0, mixed_precision="no",
-        deploy_px={28: 2, 42: 2}, deploy_compiled=("original", "vca"),
+        min_repeats=3, row_seconds=0.2, deploy_px={28: 2, 42: 2, 56: 2}, deploy_compiled=("original", "vca"),
+        deploy_onnx=("vca",), onnx_provider="CPUExecutionProvider", onnx_checks=((2, 28, 28), (3, 42, 56)),
+        onnx_latency=(2, 42), onnx_reserve_s=5.0,
     )  # fmt: skip
 
 
@@ -423,41 +441,147 @@ def section_timing(rec: Recorder, plan: Plan) -> None:
         del compiled
 
 
-DEPLOY_CONFIGS = {"vca": {}, "vca_local11": {"local_window": 11}}
+# ----------------------------------------------------------------------------------------------- the deploy section
+
+DEPLOY_CONFIGS = {"vca": {}, "vca_local11": {"local_window": 11}}  # + MANO with its defaults
+SDPA_BACKENDS = {  # the aten op SDPA dispatches to -> the backend's name
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash (CPU)",
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_efficient_attention": "efficient",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
+}
+FLASH_BACKENDS = ("flash", "flash (CPU)", "cudnn")  # cuDNN's SDPA is a flash-attention kernel too
+ATTENTION_WORDS = ("flash", "fmha", "cudnn", "sdpa", "attention", "attn", "flex", "triton_tem")
 
 
-def _deploy_variants(plan: Plan) -> list[tuple[str, Any]]:
-    """[(name, model)]: the original (timm's fused SDPA) and VCA, VCA + local term (k = 11) and MANO made from the
-    same random weights, every one taking any image size."""
-    import copy
-
+def _deploy_variants(plan: Plan) -> tuple[list[tuple[str, Any]], dict[str, str]]:
+    """([(name, model)], {name: error}): the original (timm's fused SDPA) and VCA, VCA + local term (k = 11) and
+    MANO made from the same random weights; a conversion that fails is left out with its error. `dynamic_img_pad`
+    pads the image to the next patch multiple inside the model: any size runs (2048 px too), and timm's
+    divisibility assert, which pins the height under torch.compile (a recompile per size), is off."""
     import timm
 
     from vca_patch import MANOConfig, VCAConfig, patch_model
 
     base = timm.create_model(
-        plan.deploy_model, pretrained=False, depth=plan.deploy_depth, dynamic_img_size=True, num_classes=0
-    ).eval()
-    variants = [("original", base)]
+        plan.deploy_model, pretrained=False, depth=plan.deploy_depth, dynamic_img_size=True, dynamic_img_pad=True,
+        num_classes=0,
+    ).eval()  # fmt: skip
     configs = {name: VCAConfig(**options) for name, options in DEPLOY_CONFIGS.items()} | {"mano": MANOConfig()}
+    variants, errors = [("original", base)], {}
     for name, config in configs.items():
         model = copy.deepcopy(base)
-        patch_model(model, config)
+        try:
+            patch_model(model, config)
+        except Exception as exc:  # recorded; the other variants still run
+            errors[f"{name} conversion"] = f"{type(exc).__name__}: {exc}"[:1500]
+            continue
         variants.append((name, model.eval()))
-    return variants
+    return variants, errors
 
 
-def _attention_kernels(model, x, device) -> list[str]:
-    """Names of the attention kernels one forward launches (flash / cuDNN / memory-efficient / math SDPA, Flex)."""
+def _tokens(model, px: int) -> int:
+    """Tokens per image at `px` (the patch grid after padding, plus CLS and register tokens)."""
+    patch = model.patch_embed.patch_size[0]
+    return math.ceil(px / patch) ** 2 + int(getattr(model, "num_prefix_tokens", 1))
+
+
+def _attention_backends(runner, x, device) -> dict[str, Any]:
+    """Which attention kernels one forward runs: SDPA calls per backend (flash / cudnn / efficient / math, from the
+    aten op SDPA dispatched to), FlexAttention launches, and the attention-like kernel names."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with torch.inference_mode(), _autocast(device, device.type == "cuda"), profile(activities=activities) as prof:
-        model(x)
+    with torch.inference_mode(), _autocast(device, device.type == "cuda"):
+        runner(x)  # warm: a compiled runner's first call is not what we profile
         _synchronize(device)
-    words = ("flash", "fmha", "cudnn", "attention", "efficient", "flex")
-    return sorted({e.key for e in prof.key_averages() if any(w in e.key.lower() for w in words)})
+        with profile(activities=activities) as prof:
+            runner(x)
+            _synchronize(device)
+    events = {e.key: int(e.count) for e in prof.key_averages()}
+    backends: dict[str, int] = {}
+    for key, count in events.items():
+        if key in SDPA_BACKENDS:
+            backends[SDPA_BACKENDS[key]] = backends.get(SDPA_BACKENDS[key], 0) + count
+    kernels = sorted(k[:160] for k in events if k not in SDPA_BACKENDS and any(w in k.lower() for w in ATTENTION_WORDS))
+    flex = sum(count for key, count in events.items() if "flex" in key.lower())
+    return {
+        "backends": backends,
+        "flex_events": flex,
+        "flash": any(b in backends for b in FLASH_BACKENDS),
+        "math_fallback": "math" in backends,
+        "kernels": kernels[:16],
+    }
+
+
+def _graph_breaks(model, x, device) -> dict[str, Any]:
+    """torch._dynamo.explain over one forward (bf16 autocast on CUDA): graph breaks, graphs and the first reasons."""
+    import torch
+
+    torch._dynamo.reset()
+    with torch.no_grad(), _autocast(device, device.type == "cuda"):
+        explained = torch._dynamo.explain(model)(x)
+    torch._dynamo.reset()
+    reasons = [str(getattr(r, "reason", r))[:300] for r in explained.break_reasons[:3]]
+    return {"graph_breaks": explained.graph_break_count, "graphs": explained.graph_count, "reasons": reasons}
+
+
+def _compiled(model, mode: str, plan: Plan):
+    """`model` as the mode runs it: eager, torch.compile(dynamic=True) (one compile for every size), or the same
+    with CUDA graphs (mode="reduce-overhead": one graph recorded per input shape)."""
+    import torch
+
+    if mode == "eager":
+        return model
+    torch_mode = "reduce-overhead" if mode == "cudagraphs" else plan.compile_mode
+    return torch.compile(model, dynamic=True, mode=torch_mode, backend=plan.compile_backend)
+
+
+def _counter(group: str, key: str) -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters[group].get(key, 0))
+
+
+def _deploy_row(plan: Plan, name: str, mode: str, runner, size: tuple[int, int, int], device) -> dict[str, Any]:
+    """One (variant, mode, size), bf16 autocast on CUDA: the first call's seconds (compiling, recording a CUDA graph)
+    and the frames dynamo compiled for it, then warm-up and the median of the timed calls (CUDA events), and the
+    peak memory allocated during them (and what was resident before)."""
+    import torch
+
+    px, batch, tokens = size
+    timed = _timer(device)
+    x = _images(batch, px, device)
+    mark_step = getattr(torch.compiler, "cudagraph_mark_step_begin", None) if mode == "cudagraphs" else None
+
+    def call() -> object:
+        if mark_step is not None:
+            mark_step()  # a new inference step: the previous outputs may be overwritten
+        with torch.inference_mode(), _autocast(device, device.type == "cuda"):
+            return runner(x)
+
+    frames, skips = _counter("frames", "ok"), _counter("inductor", "cudagraph_skips")
+    start = time.monotonic()
+    call()
+    _synchronize(device)
+    first_s = time.monotonic() - start
+    estimate_ms = max(timed(call), 1e-3)  # a CUDA-graph runner records here
+    repeats = int(min(plan.repeats, max(plan.min_repeats, plan.row_seconds * 1e3 // estimate_ms)))
+    for _ in range(max(2 if mode == "cudagraphs" else 1, min(plan.warmup, repeats // 4))):
+        call()
+    _synchronize(device)
+    resident = torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = [timed(call) for _ in range(repeats)]
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    return {"variant": name, "mode": mode, "px": px, "batch": batch, "tokens": tokens,
+            "first_call_s": round(first_s, 3), "compiled_frames": _counter("frames", "ok") - frames,
+            "cudagraph_skips": _counter("inductor", "cudagraph_skips") - skips, "median_ms": statistics.median(times),
+            "min_ms": min(times), "repeats": repeats, "peak_mib": peak, "resident_mib": resident}  # fmt: skip
 
 
 def _crossover(points: list[tuple[int, float]]) -> dict[str, Any]:
@@ -472,120 +596,8 @@ def _crossover(points: list[tuple[int, float]]) -> dict[str, Any]:
         if r1 > 1 >= r2:
             share = (r1 - 1) / (r1 - r2)
             tokens = math.exp(math.log(n1) + share * (math.log(n2) - math.log(n1)))
-            return {"tokens": round(tokens), "how": f"interpolated between {n1} and {n2} tokens"}
+            return {"tokens": round(tokens), "how": f"interpolated in log(tokens) between {n1} and {n2} tokens"}
     return {"tokens": None, "how": f"slower at every size measured (up to {points[-1][0]} tokens)"}
-
-
-def _onnx_gpu(model, plan: Plan, device) -> dict[str, Any]:
-    """The converted model exported to ONNX (dynamic batch and size) and run by onnxruntime's CUDA provider:
-    error against eager float32 and latency; skipped, with the reason, where that provider is not installed."""
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        return {"status": "skipped", "reason": "onnxruntime is not installed"}
-    providers = ort.get_available_providers()
-    if device.type != "cuda" or "CUDAExecutionProvider" not in providers:
-        return {"status": "skipped", "reason": f"onnxruntime {ort.__version__} has no CUDA provider ({providers})"}
-    import tempfile
-
-    import torch
-
-    from vca_patch.export.api import export_model
-
-    px = min(plan.deploy_px)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "model.onnx"
-        export_model(model.float().cpu(), path, format="onnx", dynamic=True, img_size=px)
-        session = ort.InferenceSession(str(path), providers=["CUDAExecutionProvider"])
-        x = _images(2, px, torch.device("cpu"))
-        with torch.inference_mode():
-            expected = model(x)
-        got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
-        times = []
-        for _ in range(plan.repeats):
-            start = time.perf_counter()
-            session.run(None, {session.get_inputs()[0].name: x.numpy()})
-            times.append((time.perf_counter() - start) * 1e3)
-    return {"status": "ok", "px": px, "batch": 2, "max_abs_error": float((got - expected).abs().max()),
-            "median_ms": statistics.median(times), "providers": session.get_providers()}  # fmt: skip
-
-
-def _compiled(model, mode: str, plan: Plan):
-    """`model` as the mode runs it: eager, torch.compile(dynamic=True), or the same with CUDA graphs."""
-    import torch
-
-    if mode == "eager":
-        return model
-    torch_mode = "reduce-overhead" if mode == "cudagraphs" else plan.compile_mode
-    return torch.compile(model, dynamic=True, mode=torch_mode, backend=plan.compile_backend)
-
-
-def _deploy_row(rec: Recorder, plan: Plan, name: str, mode: str, runner, px: int, batch: int, device) -> dict:
-    """One (variant, mode, size): first-call seconds (compiling), median ms over the repeats, peak memory."""
-    import torch
-
-    timed = _timer(device)
-    x = _images(batch, px, device)
-
-    def call() -> object:
-        with torch.inference_mode(), _autocast(device, device.type == "cuda"):
-            return runner(x)
-
-    start = time.monotonic()
-    call()
-    _synchronize(device)
-    first_s = time.monotonic() - start
-    for _ in range(plan.warmup):
-        call()
-    _synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = [timed(call) for _ in range(plan.repeats)]
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-    tokens = (px // 14) ** 2 + 1
-    return {"variant": name, "mode": mode, "px": px, "batch": batch, "tokens": tokens, "first_call_s": first_s,
-            "median_ms": statistics.median(times), "min_ms": min(times), "peak_mib": peak}  # fmt: skip
-
-
-def section_deploy(rec: Recorder, plan: Plan) -> None:
-    """DINOv2-S shapes: original vs VCA, VCA + local term and MANO in eager, compiled and CUDA-graph form (both
-    compiled the same way) at 224 to 2044 px; graph breaks, the attention kernels, crossovers, ONNX on the GPU."""
-    import torch
-
-    device = torch.device(plan.device)
-    variants = [(name, model.to(device)) for name, model in _deploy_variants(plan)]
-    rec.data.update(model=plan.deploy_model, depth=plan.deploy_depth, modes=list(plan.deploy_modes), rows=[])
-    x = _images(1, min(plan.deploy_px), device)
-    rec.data["graph_breaks"] = {}
-    for name, model in variants:
-        with torch.no_grad(), _autocast(device, device.type == "cuda"):
-            rec.data["graph_breaks"][name] = torch._dynamo.explain(model)(x).graph_break_count
-        torch._dynamo.reset()
-    rec.data["attention_kernels"] = {name: _attention_kernels(model, x, device) for name, model in variants[:2]}
-    rec.flush()
-    for mode in plan.deploy_modes:
-        if mode == "cudagraphs" and device.type != "cuda":
-            rec.data.setdefault("skipped", []).append("cudagraphs: CUDA graphs need a CUDA device")
-            continue
-        for name, model in variants:
-            if mode != "eager" and name not in plan.deploy_compiled:
-                continue
-            if mode != "eager" and rec.time_left() < plan.compile_reserve_s:
-                rec.data.setdefault("skipped", []).append(f"{name} {mode}: {rec.time_left():.0f} s left")
-                continue
-            torch._dynamo.reset()
-            runner = _compiled(model, mode, plan)
-            for px, batch in plan.deploy_px.items():
-                if rec.time_left() < 5:
-                    rec.data.setdefault("skipped", []).append(f"{name} {mode} {px} px: out of time")
-                    break
-                rec.data["rows"].append(_deploy_row(rec, plan, name, mode, runner, px, batch, device))
-                rec.flush()
-    rec.data["ratios"], rec.data["crossover"] = _deploy_ratios(rec.data["rows"])
-    rec.flush()
-    if rec.time_left() > 20:
-        rec.data["onnx_gpu"] = _onnx_gpu(copy.deepcopy(variants[1][1]), plan, device)
-    rec.flush()
 
 
 def _deploy_ratios(rows: list[dict]) -> tuple[list[dict], dict[str, dict]]:
@@ -602,19 +614,363 @@ def _deploy_ratios(rows: list[dict]) -> tuple[list[dict], dict[str, dict]]:
     return ratios, {key: _crossover(points) for key, points in groups.items()}
 
 
+def _sized_images(batch: int, height: int, width: int, seed: int = 0):
+    import torch
+
+    return torch.randn(batch, 3, height, width, generator=torch.Generator().manual_seed(seed))
+
+
+def _onnx_program(model, plan: Plan, path: Path) -> None:
+    """`model` (a float32 CPU copy) through torch.export with dynamic batch, height and width (multiples of the
+    patch), then torch.onnx.export(dynamo=True), saved to `path`."""
+    import torch
+
+    patch = model.patch_embed.patch_size[0]
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    rows, cols = torch.export.Dim("rows", min=2, max=512), torch.export.Dim("cols", min=2, max=512)
+    b, h, w = plan.onnx_checks[0]
+    example = _sized_images(b, h, w)
+    with torch.no_grad():
+        program = torch.export.export(model, (example,), dynamic_shapes=({0: batch, 2: patch * rows, 3: patch * cols},))
+        onnx_program = torch.onnx.export(
+            program, (example,), dynamo=True, input_names=["images"], output_names=["features"], verbose=False
+        )
+    onnx_program.save(str(path), external_data=False)
+
+
+def _onnx_session(plan: Plan) -> tuple[Any, dict[str, Any] | None]:
+    """(onnxruntime, None), or (None, a skipped entry with the reason) where the provider or exporter is missing."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None, {"status": "skipped", "reason": "onnxruntime-gpu not installed (no onnxruntime at all)"}
+    if plan.onnx_provider == "CUDAExecutionProvider" and hasattr(ort, "preload_dlls"):
+        with contextlib.suppress(Exception):  # CUDA/cuDNN from the nvidia wheels torch uses; absent: no harm
+            ort.preload_dlls()
+    available = ort.get_available_providers()
+    if plan.onnx_provider not in available:
+        reason = f"onnxruntime-gpu not installed (onnxruntime {ort.__version__} offers {available})"
+        return None, {"status": "skipped", "reason": reason}
+    try:
+        import onnxscript  # noqa: F401  (torch's dynamo ONNX exporter needs it)
+    except ImportError:
+        return None, {"status": "skipped", "reason": "onnxscript not installed (torch.onnx.export(dynamo=True))"}
+    return ort, None
+
+
+def _onnx_check(model, plan: Plan, device) -> dict[str, Any]:
+    """The model exported to ONNX (dynamic batch/height/width) in onnxruntime's `plan.onnx_provider`: relative and
+    max error against eager float32 (TF32 off) at each size of `plan.onnx_checks`, and the latency of both at
+    `plan.onnx_latency`, timed alike (host arrays in and out, copies included)."""
+    import torch
+
+    ort, skipped = _onnx_session(plan)
+    if skipped:
+        return skipped
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="gpu-check-onnx-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        _onnx_program(copy.deepcopy(model).float().cpu().eval(), plan, path)
+        export_s = time.monotonic() - start
+        session = ort.InferenceSession(str(path), providers=[plan.onnx_provider])
+    if plan.onnx_provider not in session.get_providers():
+        reason = f"{plan.onnx_provider} did not load; onnxruntime fell back to {session.get_providers()}"
+        return {"status": "skipped", "export_s": export_s, "reason": reason}
+
+    def run_onnx(x):
+        return torch.from_numpy(session.run(None, {"images": x.numpy()})[0])
+
+    def run_eager(x):
+        with torch.inference_mode():
+            return model(x.to(device)).float().cpu()
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        checks = []
+        for seed, (b, h, w) in enumerate(plan.onnx_checks):
+            x = _sized_images(b, h, w, seed)
+            got, ref = run_onnx(x), run_eager(x)
+            checks.append({"batch": b, "height": h, "width": w, "relative_error": _relative_error(got, ref),
+                           "max_abs_error": float((got - ref).abs().max())})  # fmt: skip
+        b, px = plan.onnx_latency
+        x = _sized_images(b, px, px)
+        latency = {name: _wall_ms(fn, x, plan) for name, fn in (("onnx", run_onnx), ("eager_fp32", run_eager))}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    return {"status": "ok", "provider": plan.onnx_provider, "export_s": round(export_s, 2), "checks": checks,
+            "max_relative_error": max(c["relative_error"] for c in checks), "latency_batch": b, "latency_px": px,
+            "onnx_median_ms": latency["onnx"], "eager_fp32_median_ms": latency["eager_fp32"]}  # fmt: skip
+
+
+def _wall_ms(fn, x, plan: Plan) -> float:
+    """Median wall-clock ms of fn(x) after warm-up (host input and output: copies included)."""
+    for _ in range(3):
+        fn(x)
+    times = []
+    for _ in range(max(plan.min_repeats, plan.repeats // 2)):
+        start = time.perf_counter()
+        fn(x)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+class _Deploy:
+    """The deploy section's steps over one set of variants; each step records its error and the next one runs."""
+
+    def __init__(self, rec: Recorder, plan: Plan, device) -> None:
+        self.rec, self.plan, self.device = rec, plan, device
+        variants, errors = _deploy_variants(plan)
+        self.variants = {name: model.to(device) for name, model in variants}
+        self.compile_reserve_s, self.longest_compile_s = plan.compile_reserve_s, 0.0
+        first = next(iter(self.variants.values()))
+        rec.data.update(
+            model=plan.deploy_model, depth=plan.deploy_depth, variants=list(self.variants),
+            modes=list(plan.deploy_modes),
+            sizes={str(px): {"batch": b, "tokens": _tokens(first, px)} for px, b in plan.deploy_px.items()},
+            compile_backend=plan.compile_backend, compile_mode=plan.compile_mode or "default", dynamic=True,
+            rows=[], ratios=[], crossover={}, graph_breaks={}, attention={}, onnx={}, errors=errors, skipped=[],
+        )  # fmt: skip
+
+    def step(self, label: str, fn: Callable[[], None], reserve_s: float = 5.0) -> None:
+        """Run fn unless fewer than `reserve_s` seconds are left (then record it as skipped); record its error."""
+        import torch
+
+        left = self.rec.time_left()
+        if left < reserve_s:
+            self.rec.data["skipped"].append(f"{label}: {left:.0f} s left, needs ~{reserve_s:.0f} s")
+        else:
+            start = time.monotonic()
+            try:
+                fn()
+            except Exception as exc:  # recorded; the next step still runs
+                self.rec.data["errors"][label] = f"{type(exc).__name__}: {exc}"[:1500]
+                self.rec.data.setdefault("tracebacks", {})[label] = traceback.format_exc(limit=6)[-2500:]
+                torch._dynamo.reset()
+            self.rec.data.setdefault("step_seconds", {})[label] = round(time.monotonic() - start, 2)
+        self.rec.flush()
+
+    def add_row(self, row: dict[str, Any]) -> None:
+        self.rec.data["rows"].append(row)
+        self.rec.data["ratios"], self.rec.data["crossover"] = _deploy_ratios(self.rec.data["rows"])
+        self.rec.flush()
+
+    def measure(self, name: str, mode: str) -> None:
+        """Every size for one (variant, mode): one compile (dynamic shapes) serves them all; after the compiled
+        mode's rows, the attention kernels the compiled model runs."""
+        import torch
+
+        torch._dynamo.reset()
+        runner = _compiled(self.variants[name], mode, self.plan)
+        for px, batch in self.plan.deploy_px.items():
+            if self.rec.time_left() < 5:
+                self.rec.data["skipped"].append(f"{name} {mode} {px} px: out of time")
+                break
+            size = (px, batch, self.rec.data["sizes"][str(px)]["tokens"])
+            row = _deploy_row(self.plan, name, mode, runner, size, self.device)
+            self.add_row(row)
+            if mode != "eager" and px == min(self.plan.deploy_px):  # the compile: the next one needs about as long
+                self.longest_compile_s = max(self.longest_compile_s, row["first_call_s"])
+                self.compile_reserve_s = max(self.plan.compile_reserve_s / 2, 1.5 * self.longest_compile_s)
+        if mode == "compile":
+            x = _images(2, min(self.plan.deploy_px), self.device)
+            self.rec.data["attention"][f"{name} compile"] = _attention_backends(runner, x, self.device)
+        del runner
+        torch._dynamo.reset()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def compiled(self, names: list[str]) -> None:
+        for name in names:
+            for mode in self.plan.deploy_modes:
+                if mode == "eager":
+                    continue
+                if mode == "cudagraphs" and self.device.type != "cuda":
+                    if "cudagraphs: CUDA graphs need a CUDA device" not in self.rec.data["skipped"]:
+                        self.rec.data["skipped"].append("cudagraphs: CUDA graphs need a CUDA device")
+                    continue
+                run = functools.partial(self.measure, name, mode)
+                self.step(f"{name} {mode}", run, self.compile_reserve_s)
+
+    def onnx(self, names: list[str]) -> None:
+        for name in names:
+
+            def check(name: str = name) -> None:
+                self.rec.data["onnx"][name] = _onnx_check(self.variants[name], self.plan, self.device)
+
+            self.step(f"{name} onnx", check, self.plan.onnx_reserve_s)
+
+
+def section_deploy(rec: Recorder, plan: Plan) -> None:
+    """DINOv2-S shapes: original vs VCA, VCA + local term and MANO in eager, compiled and CUDA-graph form (both
+    compiled the same way) at 224 to 2048 px; graph breaks, attention backends, crossovers, ONNX in onnxruntime.
+    Order: what is cheap and sure first (eager, graph breaks, kernels), then the compiles by priority."""
+    import torch
+
+    device = torch.device(plan.device)
+    deploy = _Deploy(rec, plan, device)
+    small, large = min(plan.deploy_px), max(plan.deploy_px)
+    for name in deploy.variants:
+        deploy.step(f"{name} eager", lambda name=name: deploy.measure(name, "eager"))
+    for name, model in deploy.variants.items():
+
+        def explain(name: str = name, model=model) -> None:
+            rec.data["graph_breaks"][name] = _graph_breaks(model, _images(2, small, device), device)
+
+        deploy.step(f"{name} graph breaks", explain)
+    for name, model in deploy.variants.items():
+
+        def kernels(name: str = name, model=model) -> None:
+            for px in (small, large):
+                x = _images(plan.deploy_px[px], px, device)
+                rec.data["attention"][f"{name} eager {px}px"] = _attention_backends(model, x, device)
+
+        deploy.step(f"{name} attention", kernels)
+    compiled = [name for name in plan.deploy_compiled if name in deploy.variants]
+    exported = [name for name in plan.deploy_onnx if name in deploy.variants]
+    deploy.compiled(compiled[:2])
+    deploy.onnx(exported[:2])
+    deploy.compiled(compiled[2:])
+    deploy.onnx(exported[2:])
+    if rec.data["errors"]:
+        raise RuntimeError(f"{len(rec.data['errors'])} deploy step(s) failed: {', '.join(rec.data['errors'])}")
+
+
+# ----------------------------------------------------------------------------------------------- the summary
+
+
+def _backends_text(entry: dict[str, Any] | None) -> str:
+    """'flash 2, efficient 2 + Flex 4' from an attention entry; '—' where not measured."""
+    if not entry:
+        return "—"
+    text = ", ".join(f"{name} {count}" for name, count in sorted(entry["backends"].items())) or "no SDPA"
+    return text + (f" + Flex {entry['flex_events']}" if entry.get("flex_events") else "")
+
+
+def _latency_cell(row: dict[str, Any] | None, ratio: float | None) -> str:
+    if row is None:
+        return "—"
+    return f"{row['median_ms']:.2f}" + (f" ({ratio:.2f}×)" if ratio else "")
+
+
+def _crossover_text(cross: dict[str, Any] | None) -> str:
+    if cross is None:
+        return "—"
+    return f"~{cross['tokens']} tokens" if cross["tokens"] else cross["how"]
+
+
 def deploy_table(section: dict[str, Any]) -> str:
-    """The deploy section as a Markdown table: converted/original latency per size, one row per variant and mode."""
-    sizes = sorted({r["px"] for r in section.get("ratios", [])})
-    lines = ["| model | mode | " + " | ".join(f"{px} px" for px in sizes) + " | crossover (tokens) |",
-             "|---|---|" + "---|" * (len(sizes) + 1)]  # fmt: skip
-    for key, cross in section.get("crossover", {}).items():
-        variant, mode = key.split(" ")
-        cells = {
-            r["px"]: f"{r['ratio']:.2f}×" for r in section["ratios"] if r["variant"] == variant and r["mode"] == mode
-        }
-        tokens = cross["tokens"] if cross["tokens"] is not None else cross["how"]
-        lines.append(f"| {variant} | {mode} | " + " | ".join(cells.get(px, "—") for px in sizes) + f" | {tokens} |")
+    """The deploy section's latency as Markdown: median ms per size (converted/original ratio in brackets, both
+    run the same way), the crossover, the compile seconds and the peak memory at the largest size."""
+    sizes = sorted(int(px) for px in section.get("sizes", {})) or sorted({r["px"] for r in section.get("rows", [])})
+    info = section.get("sizes", {})
+    rows = {(r["variant"], r["mode"], r["px"]): r for r in section.get("rows", [])}
+    ratios = {(r["variant"], r["mode"], r["px"]): r["ratio"] for r in section.get("ratios", [])}
+    head = " | ".join(f"{px} px, {info.get(str(px), {}).get('tokens', '?')} tok (ms)" for px in sizes)
+    lines = [
+        f"| model | mode | {head} | overtakes the original at | compile s | peak MiB at {max(sizes, default='?')} px |",
+        "|---|---|" + "---|" * (len(sizes) + 3),
+    ]
+    for mode in section.get("modes", []):
+        for variant in section.get("variants", []):
+            measured = [rows.get((variant, mode, px)) for px in sizes]
+            if not any(measured):
+                continue
+            cells = [
+                _latency_cell(row, ratios.get((variant, mode, px))) for px, row in zip(sizes, measured, strict=True)
+            ]
+            first = next(r for r in measured if r)
+            compile_s = f"{first['first_call_s']:.1f}" if mode != "eager" else "—"
+            peak = measured[-1]["peak_mib"] if measured[-1] else None
+            cells += [
+                _crossover_text(section.get("crossover", {}).get(f"{variant} {mode}")),
+                compile_s,
+                "—" if peak is None else f"{peak:.0f}",
+            ]
+            lines.append(f"| {variant} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _onnx_text(onnx: dict[str, Any] | None) -> str:
+    if onnx is None:
+        return "—"
+    if onnx["status"] != "ok":
+        return f"skipped: {onnx['reason']}"
+    return (
+        f"rel. error {onnx['max_relative_error']:.1e}; {onnx['onnx_median_ms']:.1f} ms vs eager fp32 "
+        f"{onnx['eager_fp32_median_ms']:.1f} ms (batch {onnx['latency_batch']}, {onnx['latency_px']} px)"
+    )
+
+
+def deploy_facts(section: dict[str, Any]) -> str:
+    """Graph breaks, the attention backends each model runs (eager at the smallest and largest size, compiled) and
+    the ONNX model in onnxruntime, as Markdown; then what was skipped or failed."""
+    sizes = sorted(int(px) for px in section.get("sizes", {}))
+    attention = section.get("attention", {})
+    lines = [
+        "| model | graph breaks | attention, eager (smallest / largest px) | attention, compiled | ONNX, onnxruntime |",
+        "|---|---|---|---|---|",
+    ]
+    for variant in section.get("variants", []):
+        breaks = section.get("graph_breaks", {}).get(variant, {}).get("graph_breaks", "—")
+        eager = " / ".join(_backends_text(attention.get(f"{variant} eager {px}px")) for px in sizes[:1] + sizes[-1:])
+        compiled = _backends_text(attention.get(f"{variant} compile"))
+        lines.append(
+            f"| {variant} | {breaks} | {eager} | {compiled} | {_onnx_text(section.get('onnx', {}).get(variant))} |"
+        )
+    notes = [f"- skipped: {s}" for s in section.get("skipped", [])]
+    notes += [f"- failed: {label}: {error.splitlines()[0][:200]}" for label, error in section.get("errors", {}).items()]
+    return "\n".join(lines + (["", *notes] if notes else []))
+
+
+def _fidelity_line(fid: dict[str, Any]) -> str:
+    vca, soft = fid["vca"], fid.get("softmax", {})
+    cells = []
+    for mode in ("float32", "autocast_bf16", "bf16_weights"):
+        if mode in vca and mode in soft:
+            cells.append(f"{mode} {vca[mode]['output_relative_error']:.2e} / {soft[mode]['output_relative_error']:.2e}")
+    return "- bf16 fidelity (relative output error against float64, VCA / original): " + ", ".join(cells)
+
+
+def _other_sections(sections: dict[str, Any]) -> list[str]:
+    """One line for each of the other sections that measured something."""
+    lines = []
+    if sections.get("bf16_fidelity", {}).get("vca"):
+        lines.append(_fidelity_line(sections["bf16_fidelity"]))
+    recipe = sections.get("recipe", {})
+    if recipe.get("after") and recipe.get("before"):
+        before, after = (recipe[k].get("cls_cosine", math.nan) for k in ("before", "after"))
+        lines.append(
+            f"- recipe under bf16: {recipe.get('recipe_status')}, {recipe.get('images_per_s', 0):.0f} images/s, "
+            f"CLS cosine to the original {before:.4f} -> {after:.4f}"
+        )
+    launches = [
+        f"{k} {v['kernel_launches']}"
+        for k, v in sections.get("profile", {}).items()
+        if isinstance(v, dict) and "kernel_launches" in v
+    ]
+    if launches:
+        lines.append("- profile (kernel launches per forward): " + ", ".join(launches))
+    return lines
+
+
+def summary_markdown(result: dict[str, Any]) -> str:
+    """The run as docs/results/gpu.md shows it: the device and versions, each section's status, the deploy tables."""
+    meta, sections = result.get("meta", {}), result.get("sections", {})
+    device = meta.get("gpu") or ("CPU dry run" if meta.get("dry_run_cpu") else meta.get("device", "?"))
+    versions = ", ".join(f"{k} {meta.get(k)}" for k in ("torch", "timm", "triton", "onnxruntime"))
+    status = ", ".join(f"{name} {s['status']} ({s['seconds']:.0f} s)" for name, s in sections.items())
+    lines = [
+        f"**{device}**, {versions}; {str(meta.get('started', '?'))[:10]}, {meta.get('total_seconds', '?')} s in all.",
+        "",
+        f"Sections: {status}.",
+    ]
+    deploy = sections.get("deploy", {})
+    if deploy.get("rows"):
+        lines += ["", deploy_table(deploy), "", deploy_facts(deploy)]
+    other = _other_sections(sections)
+    return "\n".join(lines + (["", *other] if other else []))
 
 
 SECTION_FUNCS: dict[str, Callable[[Recorder, Plan], None]] = {
@@ -634,19 +990,14 @@ def run_child(name: str, result_path: Path, cap_s: float, dry_run: bool, compile
     """Run one section in this process; its numbers (and status/error) go to `result_path` as JSON."""
     import torch
 
+    from vca_patch.targets.vca import fused_cpu
+
     plan = make_plan(dry_run, compile_mode)
     rec = Recorder(result_path, time.monotonic() + 0.85 * cap_s - 3.0)  # cooperative deadline, before the hard cap
     if dry_run:
-        from vca_patch.targets.vca import fused_cpu
-
         torch.set_num_threads(min(2, torch.get_num_threads()))
-        context = fused_cpu.use_kernel(False)  # the composite path: no kernel build inside a dry run
-    else:
-        import contextlib
-
-        context = contextlib.nullcontext()
     try:
-        with context:
+        with fused_cpu.use_kernel(False):  # the composite path: no C++ kernel build (a CPU-only kernel) in a check
             SECTION_FUNCS[name](rec, plan)
         rec.data["status"] = "ok"
     except Exception as exc:  # recorded, not raised: the next section still runs
@@ -682,6 +1033,12 @@ def environment(device: str) -> dict[str, Any]:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
+    try:
+        import onnxruntime
+
+        env.update(onnxruntime=onnxruntime.__version__, onnxruntime_providers=onnxruntime.get_available_providers())
+    except ImportError:
+        env.update(onnxruntime=None, onnxruntime_providers=[])
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         env.update(
@@ -743,7 +1100,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", type=Path, help="JSON file (default: benchmarks/results/gpu_check.json)")
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="total seconds for all sections")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument(
+        "--sections", default=",".join(DEFAULT_SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}"
+    )
+    parser.add_argument("--table", type=Path, help="print the Markdown summary of a JSON this script wrote, and exit")
     parser.add_argument(
         "--dry-run-cpu",
         action="store_true",
@@ -761,6 +1121,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args._section:
         return run_child(args._section, args._result, args._cap, args.dry_run_cpu, args.compile_mode)
+    if args.table:
+        print(summary_markdown(json.loads(args.table.read_text())))
+        return 0
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown or not sections:
@@ -790,9 +1153,9 @@ def main(argv: list[str] | None = None) -> int:
         "sections": {},
     }
     _write_json(output, result)
-    for name in sections:
+    for index, name in enumerate(sections):
         left = args.budget - (time.monotonic() - started)
-        cap = min(CAPS_S[name] * args.budget / DEFAULT_BUDGET_S, left)
+        cap = left * SHARES[name] / sum(SHARES[n] for n in sections[index:])
         if cap < 10:
             entry = {"status": "skipped", "seconds": 0.0, "cap_s": cap, "error": f"budget spent ({left:.0f} s left)"}
         else:
@@ -806,8 +1169,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)  # fmt: skip
     result["ok"] = all(s["status"] == "ok" for s in result["sections"].values())
     _write_json(output, result)
-    if "deploy" in result["sections"] and result["sections"]["deploy"].get("ratios"):
-        print(deploy_table(result["sections"]["deploy"]))
+    print(summary_markdown(result))
     print(f"gpu_check: wrote {output} ({'all ok' if result['ok'] else 'NOT all ok'})", file=sys.stderr)
     return 0 if result["ok"] else 1
 
