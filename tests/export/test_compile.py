@@ -121,16 +121,6 @@ def test_deit_compiles_without_graph_breaks(target):
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["vca", "vca_local3", "mano", "merge", "didb"])
 def test_deit_inductor_matches_eager(target):
-    if target == "didb":  # sign(x) of binarised activations within rounding of 0 flips when inductor sums in another
-        # order, and one flipped ±c input changes every later token (measured: 0.5 off with activations binarised,
-        # 2e-7 without); the binarised-activation Linear alone compiles exactly (test_didb_binary_linear_...)
-        from vca_patch import DIDBConfig
-
-        original, _ = _deit("vca")  # the same tiny DeiT, patched with DIDB less activation binarisation
-        model = copy.deepcopy(original)
-        patch_model(model, DIDBConfig(activations=False))
-        _check("deit", (original, _randomise_new_parameters(model).eval()), DEIT_SIZES, inductor=True)
-        return
     _check("deit", _deit(target), DEIT_SIZES, inductor=True)
 
 
