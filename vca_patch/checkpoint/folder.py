@@ -238,8 +238,8 @@ def read_checkpoint_config(directory: Path) -> dict[str, Any]:
     meta: Any = None
     if (directory / CONFIG_NAME).is_file():
         try:
-            meta = json.loads((directory / CONFIG_NAME).read_text())
-        except json.JSONDecodeError as exc:
+            meta = json.loads((directory / CONFIG_NAME).read_text(encoding="utf-8"))
+        except (ValueError, OSError) as exc:  # not JSON, not UTF-8 text (a binary file), or unreadable
             raise CheckpointError(f"{directory / CONFIG_NAME} is not valid JSON: {exc}") from exc
     form = meta.get("checkpoint_form", "merged") if isinstance(meta, dict) else "merged"
     expected = (CONFIG_NAME, FORMS.get(form, WEIGHTS_NAME))

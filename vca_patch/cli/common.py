@@ -291,6 +291,11 @@ def check_model_sizes(net: nn.Module, config: Any, *, batch: int, device: str = 
     if min(height, width) < patch:
         raise SizeError(f"{what} takes {height}×{width} px, less than one {patch}×{patch} patch; use --img-size "
                         f"{patch} or more")  # fmt: skip
+    if height % patch or width % patch:  # the patch embedding would drop the pixels past the last whole patch
+        side = min(height, width) // patch * patch
+        raise SizeError(f"{what} takes {height}×{width} px, not a whole number of {patch}×{patch} patches (the "
+                        f"pixels past the last patch would be dropped); use --img-size {side} or "
+                        f"{side + patch}")  # fmt: skip
     grid = layout.grid
     for n in sorted(set(contrast_token_counts(config)), reverse=True)[:1]:
         check_contrast_tokens(n, grid)

@@ -42,6 +42,12 @@ def hub_offline_reason(timeout: float = 3.0) -> str | None:
         return f"cannot connect to {url.hostname}:{port} ({exc.strerror or exc})"
 
 
+def is_path_like(text: str) -> bool:
+    """True for a string that can only be a local path, not a model name or an 'org/name' Hub id: it starts with
+    '.', '/', '~' or '\\', ends with '/', holds a backslash or more than one '/'."""
+    return text.startswith((".", "/", "~", "\\")) or text.endswith("/") or "\\" in text or text.count("/") > 1
+
+
 def is_hub_id(value: Any) -> bool:
     """True for an 'org/name' Hub model id (not a path: no leading '.', '/', '~', exactly one '/', no '..')."""
     return isinstance(value, str) and len(value) <= 96 and ".." not in value and bool(_HUB_ID.fullmatch(value))

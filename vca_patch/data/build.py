@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Subset
 
+from vca_patch.core.hub_access import is_path_like
 from vca_patch.data.errors import DatasetError
 from vca_patch.data.fashion_mnist import DEFAULT_ROOT, FashionMNISTAsRGB, load_fashion_mnist
 from vca_patch.data.imagefolder import load_imagefolder
@@ -77,16 +78,18 @@ def build_dataset(
         )
         return _limit(folder, limit)
     if spec.kind == "hf":
+        # a name that is no local folder either: say so first (a typo'd folder is likelier than a dataset id)
+        local = f"no local folder {spec.path}, and as a Hugging Face dataset name: " if spec.path else ""
         try:
             import datasets
         except ImportError as exc:
-            raise DatasetError("data.kind 'hf' needs the `datasets` package: pip install datasets") from exc
+            raise DatasetError(f"{local}data.kind 'hf' needs the `datasets` package: pip install datasets") from exc
         if not spec.path:
             raise DatasetError("data.path must name a Hugging Face dataset (e.g. 'imagenet-1k')")
         try:
             hf_split = datasets.load_dataset(spec.path, split=name)
         except Exception as exc:  # datasets raises many types (offline, missing, auth)
-            raise DatasetError(f"cannot load Hugging Face dataset {spec.path!r} split {name!r}: {exc}") from exc
+            raise DatasetError(f"{local}cannot load {spec.path!r} split {name!r}: {exc}") from exc
         return _limit(HFImageDataset(hf_split, transform, spec.image_key, spec.label_key, photo_channels), limit)
     raise DatasetError(f"unknown data.kind {spec.kind!r}")
 
@@ -100,7 +103,7 @@ def infer_kind(path: str | Path | None) -> str:
     if folder.is_dir():
         idx = any("idx" in f.name and "ubyte" in f.name for f in folder.iterdir() if f.is_file())
         return "fashion_mnist" if idx else "imagefolder"
-    if folder.is_absolute() or str(path).startswith((".", "~")):
+    if folder.is_absolute() or is_path_like(str(path)):
         raise DatasetError(f"data folder {path} does not exist")
     if folder.exists():
         raise DatasetError(f"{path} is a file; pass a folder (idx files or an ImageFolder) or a dataset name")

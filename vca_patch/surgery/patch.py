@@ -119,6 +119,21 @@ def _block_forwards(model: nn.Module, config: TargetConfig, sites: list[Attentio
     return {paths[index]: forward for index, forward in config.block_forwards(blocks).items()}
 
 
+def _checked_config(config: Any) -> TargetConfig:
+    """`config` if it is a target config instance (None: the default target's); else a ConfigError saying what to
+    pass (an instance, not the class; a dict or a target name through TargetConfig.from_dict)."""
+    if config is None:
+        return default_config()
+    if isinstance(config, TargetConfig):
+        return config
+    if isinstance(config, type) and issubclass(config, TargetConfig):
+        raise ConfigError(f"config is the class {config.__name__}; pass an instance: {config.__name__}()")
+    raise ConfigError(
+        f"config must be a target config such as VCAConfig() or MANOConfig(), got {type(config).__name__} "
+        f"{config!r:.60}; a dict or a target name: TargetConfig.from_dict({{'target': 'vca', ...}})"
+    )
+
+
 def _plan(model: nn.Module, config: TargetConfig, strict: bool):
     """Find, verify, select and build every replacement without touching the model."""
     config.validate()
@@ -213,7 +228,7 @@ def _report(adapter, model, config, chosen, skipped, replacements, block_edits, 
 
 def inspect_model(model: nn.Module, config: TargetConfig | None = None, *, strict: bool = False) -> PatchReport:
     """Dry run: the report `patch_model` would give, leaving the model exactly as it is."""
-    config = config or default_config()
+    config = _checked_config(config)
     adapter, chosen, skipped, replacements, block_edits, params_before = _plan(model, config, strict)
     _block_forwards(model, config, chosen)  # its checks
     return _report(adapter, model, config, chosen, skipped, replacements, block_edits, params_before)
@@ -227,7 +242,7 @@ def patch_model(model: nn.Module, config: TargetConfig | None = None, *, strict:
     built before any is swapped in, so an error leaves the model untouched. `strict=True` refuses
     approximate or unverified conversions. Returns what was patched and what was skipped, and why.
     """
-    config = config or default_config()
+    config = _checked_config(config)
     if get_patch_state(model) is not None:
         raise PatchError("model is already patched; call vca_patch.unpatch_model(model) first")
     adapter, chosen, skipped, replacements, block_edits, params_before = _plan(model, config, strict)

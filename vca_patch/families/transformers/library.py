@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from vca_patch.core.errors import ConfigError
 from vca_patch.families.library import ModelLibrary
 from vca_patch.families.transformers.guard import check_transformers_base
 
@@ -29,7 +30,10 @@ class TransformersLibrary(ModelLibrary):
         from vca_patch.families.transformers.load import load_transformers_model
 
         if model_args:
-            raise ValueError(f"model_args are timm constructor options; {name} is a transformers model")
+            raise ConfigError(
+                f"model_args are timm constructor options ({', '.join(sorted(model_args))}); {name} is a "
+                "transformers model, whose sizes come from its config.json: drop them (bench: use a timm model)"
+            )
         return load_transformers_model(name, pretrained=pretrained, weights=weights)
 
 
