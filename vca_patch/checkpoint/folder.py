@@ -39,6 +39,7 @@ from vca_patch.checkpoint.delta import (
 )
 from vca_patch.checkpoint.model_card import check_metadata, render_model_card
 from vca_patch.core.atomic import atomic_write_text, staged_directory
+from vca_patch.core.formats import format_of_model
 from vca_patch.core.weights import WeightsMismatchError, load_state_dict_checked, read_state_dict
 from vca_patch.families import adapter_by_name
 from vca_patch.surgery import PatchError, get_patch_state, patch_model, patched_layers
@@ -138,7 +139,19 @@ def save_pretrained(
 
     `packed=True` stores the target's packed form (`"packed": true` in config.json; DIDB: binarised Linears as sign
     bits + scales), which `from_pretrained` loads back as it was; a model already held packed saves packed (None).
+
+    A model that a registered checkpoint format owns (`core.formats`; e.g. a LLaVA with spatial tokens) is written
+    by that format, which `from_pretrained` recognises by its marker file; only `metadata` applies to it.
     """
+    fmt = format_of_model(model) if isinstance(model, nn.Module) else None
+    if fmt is not None:  # a registered format owns this model (e.g. a LLaVA with spatial tokens): its own folder
+        given = {"overwrite": overwrite, "model_args": model_args, "form": form != "merged",
+                 "base_weights": base_weights, "base_state_dict": base_state_dict, "repo_id": repo_id,
+                 "packed": packed}  # fmt: skip
+        refused = [name for name, value in given.items() if value not in (None, False)]
+        if refused:
+            raise ValueError(f"{', '.join(refused)} do not apply to {fmt.name} folders (their format writes them)")
+        return fmt.save(model, Path(directory), metadata)
     if form not in FORMS:
         raise ValueError(f"form must be one of {sorted(FORMS)}, got {form!r}")
     meta = checkpoint_metadata(model, model_args=model_args, metadata=metadata)

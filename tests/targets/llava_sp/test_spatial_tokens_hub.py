@@ -141,3 +141,16 @@ def test_a_repo_that_is_neither_a_vca_nor_a_llava_sp_checkpoint_keeps_the_origin
     hub.seed("acme/plain-llava", {p.name: p.read_bytes() for p in (tmp_path / "plain").iterdir()})
     with pytest.raises(CheckpointError, match="is not a vca-patch config"):
         vca_patch.from_pretrained("acme/plain-llava")
+
+
+def test_save_pretrained_writes_a_llava_sp_model_in_its_format(tmp_path):
+    """The generic save_pretrained hands a model a registered format owns to that format: the folder holds the
+    format's marker, from_pretrained gives the same logits, and options of vca-patch folders are refused first."""
+    model = tiny_llava()
+    add_spatial_tokens(model)
+    with pytest.raises(ValueError, match="form, packed do not apply to LLaVA-SP folders"):
+        vca_patch.save_pretrained(model, tmp_path / "refused", form="delta", packed=True)
+    assert not (tmp_path / "refused").exists()
+    folder = vca_patch.save_pretrained(model, tmp_path / "sp", metadata={"note": "saved generically"})
+    assert (folder / "spatial_tokens.json").is_file()
+    assert torch.equal(_logits(vca_patch.from_pretrained(folder)), _logits(model))
