@@ -66,6 +66,7 @@ def _kernel_or_skip() -> None:
         pytest.skip(f"the XNOR CPU kernel is not available here: {kernel.kernel_status()}")
 
 
+@pytest.mark.e2e  # ~19 s on one core: in make test-e2e
 def test_a_packed_model_runs_the_xnor_kernel_eagerly_and_exports_without_it(tmp_path, monkeypatch):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
