@@ -136,7 +136,7 @@ def test_didb_binary_linear_with_binarised_activations_compiles_exactly():
         torch.testing.assert_close(torch.compile(layer, fullgraph=True)(x), layer(x), atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("kind", ["dinov2", "vit"])
+@pytest.mark.parametrize("kind", [pytest.param("dinov2", marks=pytest.mark.e2e), "vit"])  # dinov2 ~19 s: e2e
 def test_transformers_vca_compiles_without_graph_breaks(kind):
     # transformers' originals recompile at every new size themselves (3 frames for 3 sizes), so the recompile count
     # says little here and costs ~35 s of CPU: the slow inductor test below checks it, DeiT's test checks it always

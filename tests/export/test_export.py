@@ -74,6 +74,7 @@ def _check_onnx(model: torch.nn.Module, path, sizes) -> float:
     return max(errors)
 
 
+@pytest.mark.e2e  # ~12 s on one core: in make test-e2e
 def test_onnx_pools_and_reads_neighbours_at_grids_it_was_not_traced_at(tmp_path):
     """Contrast pooling over grids that are not multiples of the contrast grid (4×3, 3×5 and 8×8 patches into 2×2)
     and the local term: exporters used to bake the traced grid's pooling windows and neighbour mask into the graph

@@ -78,7 +78,7 @@ def onnx_error(model: torch.nn.Module, path, sizes: list[tuple[int, int]]) -> fl
     return max(errors)
 
 
-# `make test` runs VCA on DeiT (~7 s a case on one core; test_export.py exports the local term to ONNX there too);
+# `make test` runs VCA on DeiT (~7 s a case on one core; test_export.py's ONNX test of the local term runs in e2e too);
 # `make test-e2e` runs the whole matrix (MANO and merging ~14 s a case)
 QUICK = {("deit", "vca")}
 CASES = [
