@@ -26,7 +26,9 @@ import torch
 
 from vca_patch import VCAConfig, patch_model
 from vca_patch.layers.layout import TokenLayout
+from vca_patch.layers.macs import AttentionShape
 from vca_patch.targets.vca.layer import VisualContrastAttention
+from vca_patch.targets.vca.macs import vca_attention_macs
 
 PATCH = 14  # DINOv2's patch: sizes are multiples of it
 VARIANTS = {"vca": VCAConfig(), "vca_local11": VCAConfig(local_window=11)}
@@ -92,13 +94,12 @@ def model_ratios(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def local_macs_share(side: int, kernel: int, channels: int = 384, contrast: int = 49, prefix: int = 1) -> float:
-    """The local term's share of a VCA layer's multiply-adds (docs/targets/vca.md): q/k/v/proj 4NC², VCA 8nNC + 9HWC,
-    the local term 2·HW·(P + k²)·C: what the term costs if every MAC ran equally fast."""
-    patches = side * side
-    tokens = prefix + patches
-    layer = 4 * tokens * channels**2 + 8 * contrast * tokens * channels + 9 * patches * channels
-    local = 2 * patches * (prefix + kernel * kernel) * channels
-    return local / (layer + local)
+    """The local term's share of a VCA layer's multiply-adds: q/k/v/proj 4NC² plus VCA's registered count with and
+    without the term (`vca_attention_macs`): what the term costs if every MAC ran equally fast."""
+    shape = AttentionShape(prefix, (side, side), channels, 6)
+    projections = 4 * shape.num_tokens * channels**2
+    with_term = projections + vca_attention_macs(shape, contrast, local_window=kernel)
+    return (with_term - projections - vca_attention_macs(shape, contrast)) / with_term
 
 
 def local_share(args: argparse.Namespace) -> list[dict[str, Any]]:
