@@ -21,10 +21,10 @@ demo: install
 	HF_HUB_OFFLINE=1 vca-patch convert deit_tiny_patch16_224 --no-pretrained --output out/deit_tiny_vca --force
 
 test: install
-	HF_HUB_OFFLINE=1 VCA_PATCH_REQUIRE_CPU_KERNEL=1 $(PYTHON) -m pytest -n 2  # two workers, one torch thread each
+	HF_HUB_OFFLINE=1 VCA_PATCH_REQUIRE_CPU_KERNEL=1 $(PYTHON) -m pytest -n 2 --dist worksteal  # two workers (one torch thread each); idle one takes queued tests
 
 test-e2e: install
-	HF_HUB_OFFLINE=1 VCA_PATCH_REQUIRE_CPU_KERNEL=1 $(PYTHON) -m pytest -n 2 -m e2e  # whole benchmark/example runs
+	HF_HUB_OFFLINE=1 VCA_PATCH_REQUIRE_CPU_KERNEL=1 $(PYTHON) -m pytest -n 2 --dist worksteal -m e2e  # whole benchmark/example runs
 
 lint: install
 	ruff check vca_patch tests
