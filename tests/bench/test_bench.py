@@ -321,9 +321,8 @@ def test_vca_compiles_without_graph_breaks(softmax):
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["fused-kernel", "composite"])
 def test_vca_inference_compiles_without_graph_breaks(kernel):
-    """The no-autograd paths trace whole, and always as the composite path (in-place norm, split qkv, input pooling,
-    cached λ): the fused CPU op, whose schema takes the grid as plain ints, never enters a traced graph, so dynamic
-    shapes and export see only aten ops."""
+    """The no-autograd paths trace whole: with the fused CPU kernel as one opaque op (its grid sizes symbolic), without
+    it as the composite path (in-place norm, split qkv, input pooling, cached λ)."""
     from vca_patch.targets.vca import fused_cpu
 
     torch._dynamo.reset()
@@ -341,8 +340,28 @@ def test_vca_inference_compiles_without_graph_breaks(kernel):
     with torch.no_grad(), fused_cpu.use_kernel(kernel):
         torch.testing.assert_close(compiled(x, layout=layout), module(x, layout=layout), atol=1e-5, rtol=1e-5)
     targets = [str(node.target) for gm in graphs for node in gm.graph.nodes]
-    assert graphs and "vca_patch.attend_cpu" not in targets
-    assert any("scaled_dot_product_attention" in t for t in targets)  # the composite path was traced
+    assert len(graphs) == 1
+    assert ("vca_patch.attend_cpu" in targets) is kernel
+    assert any("scaled_dot_product_attention" in t for t in targets) is not kernel
+
+
+def test_the_compiled_fused_kernel_serves_every_grid_from_one_dynamic_graph():
+    """With dynamic=True the kernel's grid sizes are symbols: a second and third grid (non-square) reuse the first
+    graph and match eager there; nothing is baked in for the first grid."""
+    from vca_patch.targets.vca import fused_cpu
+
+    torch._dynamo.reset()
+    module = VisualContrastAttention(32, 4, contrast_grid=(2, 2), local_window=3).eval()
+    with torch.no_grad():
+        module.local_scale.fill_(0.5)
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(module, fullgraph=True, dynamic=True, backend=counter)
+    with torch.no_grad(), fused_cpu.use_kernel(True):
+        for grid in ((8, 8), (6, 10), (12, 7)):
+            x = torch.randn(2, 1 + grid[0] * grid[1], 32)
+            layout = TokenLayout(1, grid)
+            torch.testing.assert_close(compiled(x, layout=layout), module(x, layout=layout), atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 1
 
 
 def test_sweep_runs_explicit_softmax_within_a_memory_budget():

@@ -1,6 +1,6 @@
 """`export_model`: a converted (or any) vision model to a `torch.export` program (.pt2) or an ONNX file.
 
-Traced, every converted layer takes its composite path (`torch.compiler.is_compiling()` is True under export):
+Exported, every converted layer takes its composite path (`torch.compiler.is_exporting()`):
 standard ops and `scaled_dot_product_attention`, no vca_patch custom op, and the token grid follows the input's
 symbolic height and width. Dynamic axes: the batch always (unless `dynamic=False`), the height and width (as
 multiples of the patch size) where the original takes any image size. The exported model is reloaded from the

@@ -18,7 +18,8 @@ the official code) or two separate softmaxes ("separate", the paper text). This 
 nothing about model libraries: adapters hand it q/k/v/proj and the token layout.
 
 Two paths compute the same function: float32 inference on CPU runs everything between the projections
-as one fused op (`fused_cpu`, `attend_fused`); training, GPUs, bf16/fp16 and machines without a C++
+as one fused op (`fused_cpu`, `attend_fused`), eager or as one opaque call under `torch.compile` (its grid sizes
+symbolic); training, GPUs, bf16/fp16, `torch.export`/ONNX (standard operators only) and machines without a C++
 compiler run the composite path (`attend`: two SDPA calls and a few small ops).
 """
 
@@ -285,9 +286,9 @@ class VisualContrastAttention(CarriedAttentionLayer):
     def forward_tokens(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """x: [B, N, dim] with N = prefix + H·W tokens -> [B, N, dim_out]: the fused CPU kernel for float32
         inference, else the composite path (recomputed in backward when training, see `recompute_in_backward`)."""
-        # Traced (torch.compile / export): the composite path, which the compiler fuses; the kernel's sizes are
-        # plain ints, which would specialise the graph to one grid.
-        if not torch.compiler.is_compiling() and self._fused_kernel_usable(x):
+        # Under torch.compile the kernel is one opaque op whose grid sizes stay symbolic; an exported graph must
+        # hold standard operators only, so export takes the composite path.
+        if not torch.compiler.is_exporting() and self._fused_kernel_usable(x):
             if torch.is_autocast_enabled("cpu"):  # the kernel is float32: it runs so, like an autocast fp32 op
                 with torch.autocast("cpu", enabled=False):
                     y = self.attend_fused(x.float(), layout)
@@ -327,7 +328,10 @@ class VisualContrastAttention(CarriedAttentionLayer):
             if self.local_window:  # before the kernel writes o over q
                 local = self._local_fused(self._heads(q), self._heads(k), self._heads(v), layout, q_bias, v_bias)
             args = (self._heads(k), self._heads(v), P, H, W, q_bias, v_bias, *self.kernel_arguments())
-            # eager only (traced calls take the composite path): o over q's buffer, the output in k's (both dead)
+            if torch.compiler.is_compiling():  # a functional op: the compiler plans the buffers itself
+                o = self._add_local(fused_cpu.attend_cpu(self._heads(q), *args), local, P)
+                return self.project_out(x, self.apply_token_gain(x, o, layout))
+            # eager: o over q's buffer, the output in k's (both dead after the op)
             o = self._add_local(fused_cpu.attend_cpu_into_q(q, self._heads(q), *args), local, P)
             return self.project_out(x, self.apply_token_gain(x, o, layout), into=k)
         q, k, v = self.project_qkv(x)
@@ -361,6 +365,8 @@ class VisualContrastAttention(CarriedAttentionLayer):
     def kernel_arguments(self) -> tuple:
         """The fused kernel's arguments after the biases (see the C++ source), rebuilt only when a parameter
         changes (in place or replaced): inference pays no op for λ, the scaled norm weights or the conv taps."""
+        if torch.compiler.is_compiling():  # traced: built in the graph, no Python-side cache (nor data_ptr)
+            return self._build_kernel_arguments()
         sources = (
             self.contrast_embed_pos, self.contrast_embed_neg, self.stage2_temperature, self.stage1_norm.weight,
             self.stage2_norm.weight, self.dwc.weight, self.dwc.bias, *self.lambda1.vectors(), *self.lambda2.vectors(),
