@@ -329,11 +329,11 @@ class VisualContrastAttention(CarriedAttentionLayer):
                 local = self._local_fused(self._heads(q), self._heads(k), self._heads(v), layout, q_bias, v_bias)
             args = (self._heads(k), self._heads(v), P, H, W, q_bias, v_bias, *self.kernel_arguments())
             if torch.compiler.is_compiling():  # a functional op: the compiler plans the buffers itself
-                o = self._add_local(fused_cpu.attend_cpu(self._heads(q), *args), local, P)
-                return self.project_out(x, self.apply_token_gain(x, o, layout))
-            # eager: o over q's buffer, the output in k's (both dead after the op)
-            o = self._add_local(fused_cpu.attend_cpu_into_q(q, self._heads(q), *args), local, P)
-            return self.project_out(x, self.apply_token_gain(x, o, layout), into=k)
+                o, into = fused_cpu.attend_cpu(self._heads(q), *args), None
+            else:  # eager: o over q's buffer, the output in k's (both dead after the op)
+                o, into = fused_cpu.attend_cpu_into_q(q, self._heads(q), *args), k
+            o = self._add_local(o, local, P)
+            return self.project_out(x, self.apply_token_gain(x, o, layout), into=into)
         q, k, v = self.project_qkv(x)
         q, k = self.q_norm(q), self.k_norm(k)
         local = self._local_fused(q, k, v, layout) if self.local_window else None

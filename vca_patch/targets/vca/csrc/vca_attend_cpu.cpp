@@ -916,10 +916,10 @@ at::Tensor neighbourhood_cpu(const at::Tensor& q, const at::Tensor& k, const at:
 }
 
 // The arguments after q, shared by both ops' schemas.
-#define VCA_ATTEND_ARGUMENTS                                                                                  \
-  "Tensor k, Tensor v, SymInt num_prefix, SymInt H, SymInt W, Tensor? q_bias, Tensor? v_bias, Tensor embed_pos, "      \
-  "Tensor embed_neg, Tensor? temperature, Tensor lambda1, Tensor lambda2, Tensor norm1_weight, "              \
-  "Tensor norm2_weight, float eps1, float eps2, float scale, bool exact_prefix, bool joint, int gh, int gw, " \
+#define VCA_ATTEND_ARGUMENTS                                                                                      \
+  "Tensor k, Tensor v, SymInt num_prefix, SymInt H, SymInt W, Tensor? q_bias, Tensor? v_bias, Tensor embed_pos, " \
+  "Tensor embed_neg, Tensor? temperature, Tensor lambda1, Tensor lambda2, Tensor norm1_weight, "                  \
+  "Tensor norm2_weight, float eps1, float eps2, float scale, bool exact_prefix, bool joint, int gh, int gw, "     \
   "Tensor dwc_taps, Tensor dwc_bias"
 
 TORCH_LIBRARY(vca_patch, m) {
