@@ -163,10 +163,12 @@ def test_fresh_local_term_is_the_plain_layer():
 
 @pytest.mark.skipif(not fused_cpu.kernel_available(), reason=f"kernel: {fused_cpu.kernel_status()}")
 @pytest.mark.parametrize("readout", ["exact", "contrast"])
-@pytest.mark.parametrize(("prefix", "grid", "kernel"), [(1, (6, 6), 3), (2, (5, 7), 5), (0, (4, 4), 7)])
+@pytest.mark.parametrize(
+    ("prefix", "grid", "kernel"), [(1, (6, 6), 3), (2, (5, 7), 5), (0, (4, 4), 7), (2, (17, 19), 7)]
+)  # 17×19: more than one Stage-II block of 256 rows per head, whose local terms read keys across the blocks' edge
 def test_fused_kernel_computes_the_local_term(readout, prefix, grid, kernel):
-    """float32 inference through the fused kernel (α in RMSNorm₂'s per-head weight, the neighbourhood op, β and v's
-    bias after it), with the per-token gain too, against the composite path of the same float32 layer."""
+    """float32 inference through the fused kernel (α in RMSNorm₂'s per-head weight, the local term in the same op,
+    β and v's bias folded in), with the per-token gain too, against the composite path of the same float32 layer."""
     torch.manual_seed(1)
     module = VisualContrastAttention(
         24, 3, contrast_grid=(2, 2), layer_index=2, prefix_readout=readout, local_window=kernel, token_magnitude=True

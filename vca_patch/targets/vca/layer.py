@@ -317,50 +317,23 @@ class VisualContrastAttention(CarriedAttentionLayer):
 
     def attend_fused(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """`forward` through the fused CPU kernel (float32 inference): the same function, one op for everything
-        between the projections (and one more for the local term). With plain q/k norms the q and v biases are
-        folded into the kernel (the k bias cancels in every softmax), which spares the GEMMs' bias copies."""
+        between the projections, the local term included. With plain q/k norms the q and v biases are folded into
+        the kernel (the k bias cancels in every softmax), which spares the GEMMs' bias copies."""
         parts = self._qkv_parts()
         P, (H, W) = layout.num_prefix_tokens, layout.grid
         if parts is not None and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
             (w_q, q_bias), (w_k, _), (w_v, v_bias) = parts
             q, k, v = (F.linear(x, weight) for weight in (w_q, w_k, w_v))  # [B, N, C] each
-            local = None
-            if self.local_window:  # before the kernel writes o over q
-                local = self._local_fused(self._heads(q), self._heads(k), self._heads(v), layout, q_bias, v_bias)
             args = (self._heads(k), self._heads(v), P, H, W, q_bias, v_bias, *self.kernel_arguments())
             if torch.compiler.is_compiling():  # a functional op: the compiler plans the buffers itself
                 o, into = fused_cpu.attend_cpu(self._heads(q), *args), None
             else:  # eager: o over q's buffer, the output in k's (both dead after the op)
                 o, into = fused_cpu.attend_cpu_into_q(q, self._heads(q), *args), k
-            o = self._add_local(o, local, P)
             return self.project_out(x, self.apply_token_gain(x, o, layout), into=into)
         q, k, v = self.project_qkv(x)
         q, k = self.q_norm(q), self.k_norm(k)
-        local = self._local_fused(q, k, v, layout) if self.local_window else None
         o = fused_cpu.attend_cpu(q, k, v, P, H, W, None, None, *self.kernel_arguments())
-        return self.project_out(x, self.apply_token_gain(x, self._add_local(o, local, P), layout))
-
-    def _local_fused(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: TokenLayout,
-        q_bias: torch.Tensor | None = None,
-        v_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """β⊙(neighbourhood attention of q + q's bias, + v's bias) of the patch rows through the kernel's op, which
-        folds the biases and β in: [B, H·W, C]."""
-        (H, W), P = layout.grid, layout.num_prefix_tokens
-        beta = self.local_scale.detach().float().contiguous()
-        return fused_cpu.neighbourhood_cpu(q, k, v, P, H, W, self.local_window, self.scale, q_bias, v_bias, beta)
-
-    @staticmethod
-    def _add_local(o: torch.Tensor, local: torch.Tensor | None, P: int) -> torch.Tensor:
-        """o [B, N, C] with `local` ([B, H·W, C], None: nothing) added to its patch rows, in place."""
-        if local is not None:
-            o[:, P:] += local
-        return o
+        return self.project_out(x, self.apply_token_gain(x, o, layout))
 
     def kernel_arguments(self) -> tuple:
         """The fused kernel's arguments after the biases (see the C++ source), rebuilt only when a parameter
@@ -370,7 +343,7 @@ class VisualContrastAttention(CarriedAttentionLayer):
         sources = (
             self.contrast_embed_pos, self.contrast_embed_neg, self.stage2_temperature, self.stage1_norm.weight,
             self.stage2_norm.weight, self.dwc.weight, self.dwc.bias, *self.lambda1.vectors(), *self.lambda2.vectors(),
-            self.global_scale,
+            self.global_scale, self.local_scale,
         )  # fmt: skip
         key = tuple((p.data_ptr(), p._version) for p in sources if p is not None)
         if self._kernel_arguments is None or self._kernel_arguments[0] != key:
@@ -397,6 +370,8 @@ class VisualContrastAttention(CarriedAttentionLayer):
                 *self.contrast_grid,
                 self.dwc.weight.float().reshape(self.attn_dim, 9).t().contiguous(),  # [9, C], tap-major
                 self.dwc.bias.float().contiguous(),
+                self.local_window,  # the local term, β ⊙ (neighbourhood attention + v's bias), in the same op
+                None if self.local_scale is None else self.local_scale.float().contiguous(),  # β [C]
             )
 
     def _stage2_weight(self, scale: float) -> torch.Tensor:

@@ -8,7 +8,8 @@ fixed depthwise conv cannot. Cost O(H·W·(P + k²)·d) per head: linear in the 
 Four ways to compute it, one function:
 
 - float32 CPU inference, eager or under `torch.compile`, runs the fused kernel's op (`fused_cpu.neighbourhood_cpu`:
-  queries vectorised across lanes, no mask, no gather; an opaque call in a compiled graph);
+  queries vectorised across lanes, no mask, no gather; an opaque call in a compiled graph); a VCA layer's own fused
+  op runs the same code per block of its rows (`local_window` among its arguments), with no tensor in between;
 - CUDA (eager or compiled, any dtype, training included) runs FlexAttention with a block mask built from the
   grid's shape (`flex_block_mask`), which skips the key blocks out of reach of a query block;
 - everything else (CPU training, bf16/fp16 on the CPU, `torch.export` and ONNX, a CUDA build without Flex) runs

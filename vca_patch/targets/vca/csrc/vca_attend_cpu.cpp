@@ -133,9 +133,10 @@ void normalise_add_taps_(float* o, float scale, const float* w, float eps, int64
 }
 
 // A grow-only per-thread buffer: nothing to allocate, and no fresh pages to fault in, on every call. Its size
-// does not grow with the batch or the grid (at most (2n + P)·max(512, d) floats, plus one per key chunk).
+// does not grow with the batch or the grid (at most (2n + P)·max(512, d) floats, plus one per key chunk), except
+// the local term's (slots 6 and 7: a block's local term, its transposed queries and the keys within its reach).
 float* scratch(int slot, int64_t size) {
-  thread_local std::vector<float> buffers[6];
+  thread_local std::vector<float> buffers[8];
   auto& buffer = buffers[slot];
   if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
   return buffer.data();
@@ -153,20 +154,44 @@ void check_vector(const at::Tensor& t, int64_t numel, const char* name) {
 
 }  // namespace
 
+// VCA's local term (defined with its op below): the grid, and one (image, head)'s q, k and v at channel 0 of the head
+// (token 0; row strides qr, kr, vr) with its slices of the q bias, v bias and output gain (nullptr: none).
+struct LocalGrid {
+  int64_t P, H, W, r, kernel, d;
+  float scale;
+};
+
+struct LocalSource {
+  const float* q;
+  int64_t qr;
+  const float* k;
+  int64_t kr;
+  const float* v;
+  int64_t vr;
+  const float* q_bias;
+  const float* v_bias;
+  const float* gain;
+};
+
+void local_term_rows(const LocalGrid& g, const LocalSource& src, int64_t pa, int64_t pb, float* o, int64_t o_ld);
+
 // q, k, v: [B, M, N, d] (unit channel stride; any batch, head and row strides, e.g. head views of token rows);
 // N = num_prefix + H·W tokens. q_bias, v_bias: [C] biases not yet added to q and v (a k bias needs no adding:
 // every softmax over keys is shift-invariant per row; the caller drops it). The rest are the layer's constants:
 // embed_pos/neg [n, C]; temperature [M] or None; lambda1/2 0-d; norm weights [d], already scaled by (1 − λ_init)
 // (norm2_weight may also be [C]: one [d] weight per head, for a layer that scales Stage II's output per channel);
-// dwc_taps [9, C] (tap-major depthwise weights); dwc_bias [C]. Writes o [B, N, C], the input of `proj`, to `out`,
-// which may be q's own buffer: every task reads its q rows (pooling, prefix, Stage-II block) before it writes the
-// same rows of o, and no task reads rows another one writes.
+// dwc_taps [9, C] (tap-major depthwise weights); dwc_bias [C]; local_window: k > 0 (odd) adds the local term,
+// local_gain ⊙ (neighbourhood attention of the patch rows + v_bias) (`neighbourhood_cpu`), computed per Stage-II
+// block while its q rows are still in cache: no [B, H·W, C] tensor, and no pass to add it. Writes o [B, N, C], the
+// input of `proj`, to `out`, which may be q's own buffer: every task reads its q rows (pooling, prefix, Stage-II
+// block, local term) before it writes the same rows of o, and no task reads rows another one writes.
 void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_prefix, int64_t H,
                  int64_t W, const std::optional<at::Tensor>& q_bias, const std::optional<at::Tensor>& v_bias,
                  const at::Tensor& embed_pos, const at::Tensor& embed_neg, const std::optional<at::Tensor>& temperature,
                  const at::Tensor& lambda1, const at::Tensor& lambda2, const at::Tensor& norm1_weight,
                  const at::Tensor& norm2_weight, double eps1, double eps2, double scale, bool exact_prefix, bool joint,
-                 int64_t gh, int64_t gw, const at::Tensor& dwc_taps, const at::Tensor& dwc_bias, at::Tensor& out) {
+                 int64_t gh, int64_t gw, const at::Tensor& dwc_taps, const at::Tensor& dwc_bias, int64_t local_window,
+                 const std::optional<at::Tensor>& local_gain, at::Tensor& out) {
   check_heads(q, "q");
   check_heads(k, "k");
   check_heads(v, "v");
@@ -191,6 +216,9 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   if (temperature.has_value()) check_vector(*temperature, M, "temperature");
   if (q_bias.has_value()) check_vector(*q_bias, C, "q_bias");
   if (v_bias.has_value()) check_vector(*v_bias, C, "v_bias");
+  TORCH_CHECK(local_window >= 0 && (local_window == 0 || local_window % 2 == 1),
+              "local_window must be 0 (off) or a positive odd size, got ", local_window);
+  if (local_gain.has_value()) check_vector(*local_gain, C, "local_gain");
 
   const int64_t qb = q.stride(0), qh_ = q.stride(1), qr = q.stride(2);
   const int64_t kb = k.stride(0), kh_ = k.stride(1), kr = k.stride(2);
@@ -210,6 +238,8 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   TORCH_CHECK(lambda1.numel() == 1 && lambda2.numel() == 1, "lambda1 and lambda2 must be scalars");
   if (B == 0) return;  // an empty batch: nothing to write (and no work to split across heads)
   const float l1 = lambda1.item<float>(), l2 = lambda2.item<float>(), s = static_cast<float>(scale);
+  const LocalGrid grid{P, H, W, local_window / 2, local_window, d, s};
+  const float* local_gain_data = local_gain.has_value() ? local_gain->data_ptr<float>() : nullptr;
 
   float* o_data = out.data_ptr<float>();
   // Stage I reads every key once per (image, head); when there are fewer of those than twice the threads, each
@@ -373,6 +403,14 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       const int64_t r0 = std::max(block * row_block, P_exact), r1 = std::min((block + 1) * row_block, N);
       if (r0 >= r1) continue;
       const int64_t rows = r1 - r0;
+      const int64_t pa = std::max(r0 - P, int64_t{0}), pb = r1 - P;  // the block's patch rows
+      float* local = local_window > 0 && pb > pa ? scratch(6, kRowBlock * d) : nullptr;  // [pb − pa, d]
+      if (local != nullptr) {  // before o is written over q
+        const auto head_slice = [h, d](const float* x) { return x != nullptr ? x + h * d : nullptr; };
+        const LocalSource src{q_data + b * qb + h * qh_, qr, k_data + b * kb + h * kh_, kr, v_data + b * vb + h * vh_,
+                              vr, head_slice(q_shift), head_slice(v_shift), head_slice(local_gain_data)};
+        local_term_rows(grid, src, pa, pb, local, d);
+      }
       const float alpha = s * (tau != nullptr ? tau[h] : 1.f);  // s·τ·q·tᵀ
       gemm_rows(true, rows, 2 * n, d, alpha, q_data + b * qb + h * qh_ + r0 * qr, qr, keys + t * 2 * n * d, d, 0.f,
                 logits, 2 * n);
@@ -459,6 +497,14 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
           store(acc, o, count);
         }
       }
+      for (int64_t p = pa; local != nullptr && p < pb; ++p) {  // o's patch rows += the local term
+        float* o = o_block + (P + p - r0) * C;
+        const float* add = local + (p - pa) * d;
+        for (int64_t c = 0; c < d; c += kLanes) {
+          const int64_t count = std::min(kLanes, d - c);
+          store(load(o + c, count) + load(add + c, count), o + c, count);
+        }
+      }
     }
   });
 }
@@ -469,11 +515,13 @@ at::Tensor attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       const std::optional<at::Tensor>& temperature, const at::Tensor& lambda1,
                       const at::Tensor& lambda2, const at::Tensor& norm1_weight, const at::Tensor& norm2_weight,
                       double eps1, double eps2, double scale, bool exact_prefix, bool joint, int64_t gh, int64_t gw,
-                      const at::Tensor& dwc_taps, const at::Tensor& dwc_bias) {
+                      const at::Tensor& dwc_taps, const at::Tensor& dwc_bias, int64_t local_window,
+                      const std::optional<at::Tensor>& local_gain) {
   check_heads(q, "q");
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1) * q.size(3)}, q.options());
   attend_into(q, k, v, num_prefix, H, W, q_bias, v_bias, embed_pos, embed_neg, temperature, lambda1, lambda2,
-              norm1_weight, norm2_weight, eps1, eps2, scale, exact_prefix, joint, gh, gw, dwc_taps, dwc_bias, out);
+              norm1_weight, norm2_weight, eps1, eps2, scale, exact_prefix, joint, gh, gw, dwc_taps, dwc_bias,
+              local_window, local_gain, out);
   return out;
 }
 
@@ -486,7 +534,8 @@ void attend_cpu_into_q(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                        const std::optional<at::Tensor>& temperature, const at::Tensor& lambda1,
                        const at::Tensor& lambda2, const at::Tensor& norm1_weight, const at::Tensor& norm2_weight,
                        double eps1, double eps2, double scale, bool exact_prefix, bool joint, int64_t gh, int64_t gw,
-                       const at::Tensor& dwc_taps, const at::Tensor& dwc_bias) {
+                       const at::Tensor& dwc_taps, const at::Tensor& dwc_bias, int64_t local_window,
+                       const std::optional<at::Tensor>& local_gain) {
   check_heads(q, "q");
   const int64_t B = q.size(0), M = q.size(1), N = q.size(2), d = q.size(3), C = M * d;
   TORCH_CHECK(q.stride(0) == N * C && q.stride(1) == d && q.stride(2) == C && q.storage_offset() == 0 &&
@@ -495,7 +544,8 @@ void attend_cpu_into_q(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   TORCH_CHECK(!q.is_alias_of(k) && !q.is_alias_of(v), "attend_cpu_into_q: q must not share memory with k or v");
   at::Tensor out = q.as_strided({B, N, C}, {N * C, C, 1});
   attend_into(q, k, v, num_prefix, H, W, q_bias, v_bias, embed_pos, embed_neg, temperature, lambda1, lambda2,
-              norm1_weight, norm2_weight, eps1, eps2, scale, exact_prefix, joint, gh, gw, dwc_taps, dwc_bias, out);
+              norm1_weight, norm2_weight, eps1, eps2, scale, exact_prefix, joint, gh, gw, dwc_taps, dwc_bias,
+              local_window, local_gain, out);
 }
 
 // ---- VCA's local term (float32 inference): neighbourhood attention of the patch rows --------------------------
@@ -590,11 +640,6 @@ void key_logits(int g, const float* q, int64_t q_ld, const float* k, int64_t k_l
   column_logits_n(g, q, q_ld, k, k_ld, d, acc, std::make_integer_sequence<int, kMaxColumns>{});
 #endif
 }
-
-struct LocalGrid {
-  int64_t P, H, W, r, kernel, d;
-  float scale;
-};
 
 constexpr int kGroup = 4;  // consecutive queries of one grid row that share each value row they read
 constexpr int kValueVectors = kLanes >= 16 ? 4 : 2;  // channel vectors per pass (4·kGroup accumulators on AVX-512)
@@ -737,8 +782,9 @@ void window_values(const LocalGrid& g, const Slots& slots, int64_t n, const Grou
 }
 
 // One (image, head) of a task: its transposed queries [d, ·] (patch p at column p − q_lo, row stride q_ld) and keys
-// (patch p at column p − k_lo, row stride k_ld, rows 64-byte aligned), its key, value and output rows (channel 0 of
-// the head) and its slices of the value bias and output gain (nullptr: none).
+// (patch p at column p − k_lo, row stride k_ld, rows 64-byte aligned), its key and value rows (channel 0 of the
+// head), its output rows (patch p at o + (p − o_lo)·o_ld) and its slices of the value bias and output gain (nullptr:
+// none).
 struct Head {
   const float* qt;
   int64_t q_lo, q_ld;
@@ -749,7 +795,7 @@ struct Head {
   const float* v;
   int64_t vr;
   float* o;
-  int64_t C;
+  int64_t o_lo, o_ld;
   const float* bias;
   const float* gain;
 };
@@ -821,8 +867,8 @@ void neighbourhood_block(const LocalGrid& g, const Head& head, int64_t p0, int64
   const int64_t group = std::min<int64_t>(kGroup, kernel + 1);
   for (int64_t l = 0; l < lanes;) {
     const int64_t p = p0 + l, y = p / W, x = p % W, n = std::min({group, lanes - l, W - x});
-    window_values(g, slots, n, {probs + l, inv + l, y, x, head.v, head.vr, head.o + p * head.C, head.C, 0, head.bias,
-                                head.gain});
+    window_values(g, slots, n, {probs + l, inv + l, y, x, head.v, head.vr, head.o + (p - head.o_lo) * head.o_ld,
+                                head.o_ld, 0, head.bias, head.gain});
     l += n;
   }
 }
@@ -833,6 +879,40 @@ int64_t block_buffer_size(int64_t P, int64_t kernel) {
 }
 
 }  // namespace
+
+// The local term of the patch queries [pa, pb) of one (image, head) to o (patch p at o + (p − pa)·o_ld): transposes
+// the queries and the keys within their reach into a per-thread buffer, then runs their blocks of kLanes queries.
+void local_term_rows(const LocalGrid& g, const LocalSource& src, int64_t pa, int64_t pb, float* o, int64_t o_ld) {
+  const int64_t P = g.P, d = g.d, HW = g.H * g.W, halo = g.r * g.W + g.r;  // halo: a neighbour's farthest flat offset
+  const auto round_up = [](int64_t x) { return (x + kLanes - 1) / kLanes * kLanes; };
+  // the keys within reach: [pa − halo, pb + halo), plus room for the aligned loads past the last one
+  const int64_t q_len = round_up(pb - pa), k_lo = pa - halo, k_len = round_up(q_len + 2 * halo) + 3 * kLanes;
+  float* buffer = scratch(7, d * (q_len + k_len) + block_buffer_size(P, g.kernel) + kLanes);
+  const uintptr_t misaligned = reinterpret_cast<uintptr_t>(buffer) / sizeof(float) % kLanes;
+  float* qt = buffer + (kLanes - misaligned) % kLanes;
+  float* kt = qt + d * q_len;
+  const int64_t k0 = std::max<int64_t>(0, k_lo), k1 = std::min(HW, k_lo + k_len);  // keys on the grid
+  at::vec::transpose_mxn<float>(src.q + (P + pa) * src.qr, src.qr, qt, q_len, static_cast<int>(pb - pa),
+                                static_cast<int>(d));
+  at::vec::transpose_mxn<float>(src.k + (P + k0) * src.kr, src.kr, kt + (k0 - k_lo), k_len, static_cast<int>(k1 - k0),
+                                static_cast<int>(d));
+  for (int64_t c = 0; c < d; ++c) {
+    float* q_row = qt + c * q_len;
+    if (src.q_bias != nullptr) {
+      const Vec shift(src.q_bias[c]);
+      for (int64_t i = 0; i < pb - pa; i += kLanes) {
+        const int64_t count = std::min(kLanes, pb - pa - i);
+        store(load(q_row + i, count) + shift, q_row + i, count);
+      }
+    }
+    std::fill(q_row + (pb - pa), q_row + q_len, 0.f);
+    std::fill(kt + c * k_len, kt + c * k_len + (k0 - k_lo), 0.f);
+    std::fill(kt + c * k_len + (k1 - k_lo), kt + (c + 1) * k_len, 0.f);
+  }
+  const Head head{qt, pa, q_len, kt, k_lo, k_len, src.k, src.kr, src.v, src.vr, o, pa, o_ld, src.v_bias, src.gain};
+  float* block_buffer = kt + d * k_len;
+  for (int64_t p0 = pa; p0 < pb; p0 += kLanes) neighbourhood_block(g, head, p0, std::min(kLanes, pb - p0), block_buffer);
+}
 
 // VCA's local term: q, k, v [B, M, N, d] as in attend_into (unit channel stride); N = num_prefix + H·W. Each patch
 // row takes one softmax over the prefix keys and the kernel × kernel patch keys around it that lie on the grid.
@@ -869,47 +949,22 @@ at::Tensor neighbourhood_cpu(const at::Tensor& q, const at::Tensor& k, const at:
   const float* gain = out_scale.has_value() ? out_scale->data_ptr<float>() : nullptr;
   float* o_data = out.data_ptr<float>();
   const LocalGrid g{P, H, W, kernel / 2, kernel, d, static_cast<float>(scale)};
-  const int64_t HW = H * W, heads = B * M, halo = g.r * W + g.r;  // halo: the farthest flat offset of a neighbour
-  const auto round_up = [](int64_t x) { return (x + kLanes - 1) / kLanes * kLanes; };
+  const int64_t HW = H * W, heads = B * M;
   // Split each head's blocks into parts when there are fewer heads than twice the threads (a part also transposes
   // the keys within reach of its queries: cheap next to its logits while it holds a few grid rows).
   const int64_t blocks = (HW + kLanes - 1) / kLanes;
   const int64_t wanted = (2 * at::get_num_threads() + heads - 1) / heads;
   const int64_t parts = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, blocks * kLanes / (4 * W)));
   const int64_t part_blocks = (blocks + parts - 1) / parts;
+  const auto head_slice = [d](const float* x, int64_t h) { return x != nullptr ? x + h * d : nullptr; };
   at::parallel_for(0, heads * parts, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> buffer;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / parts, b = t / M, h = t % M;
       const int64_t pa = task % parts * part_blocks * kLanes, pb = std::min(HW, pa + part_blocks * kLanes);
       if (pa >= pb) continue;
-      // the keys within reach: [pa − halo, pb + halo), plus room for the aligned loads past the last one
-      const int64_t q_len = round_up(pb - pa), k_lo = pa - halo, k_len = round_up(q_len + 2 * halo) + 3 * kLanes;
-      const int64_t size = d * (q_len + k_len) + block_buffer_size(P, kernel) + kLanes;
-      if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
-      const uintptr_t misaligned = reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float) % kLanes;
-      float* qt = buffer.data() + (kLanes - misaligned) % kLanes;
-      float* kt = qt + d * q_len;
-      const float* qh = q_data + b * qb + h * qh_ + P * qr;  // patch rows
-      const float* kh = k_data + b * kb + h * kh_;
-      const int64_t k0 = std::max<int64_t>(0, k_lo), k1 = std::min(HW, k_lo + k_len);  // keys on the grid
-      at::vec::transpose_mxn<float>(qh + pa * qr, qr, qt, q_len, static_cast<int>(pb - pa), static_cast<int>(d));
-      at::vec::transpose_mxn<float>(kh + (P + k0) * kr, kr, kt + (k0 - k_lo), k_len, static_cast<int>(k1 - k0),
-                                    static_cast<int>(d));
-      for (int64_t c = 0; c < d; ++c) {
-        float* q_row = qt + c * q_len;
-        if (q_shift != nullptr) {
-          const Vec shift(q_shift[h * d + c]);
-          for (int64_t i = 0; i < pb - pa; i += kLanes) store(load(q_row + i, std::min(kLanes, pb - pa - i)) + shift, q_row + i, std::min(kLanes, pb - pa - i));
-        }
-        std::fill(q_row + (pb - pa), q_row + q_len, 0.f);
-        std::fill(kt + c * k_len, kt + c * k_len + (k0 - k_lo), 0.f);
-        std::fill(kt + c * k_len + (k1 - k_lo), kt + (c + 1) * k_len, 0.f);
-      }
-      const Head head{qt, pa, q_len, kt, k_lo, k_len, kh, kr, v_data + b * vb + h * vh_, vr, o_data + b * HW * C + h * d,
-                      C, v_shift != nullptr ? v_shift + h * d : nullptr, gain != nullptr ? gain + h * d : nullptr};
-      float* block_buffer = kt + d * k_len;
-      for (int64_t p0 = pa; p0 < pb; p0 += kLanes) neighbourhood_block(g, head, p0, std::min(kLanes, pb - p0), block_buffer);
+      const LocalSource src{q_data + b * qb + h * qh_, qr, k_data + b * kb + h * kh_, kr, v_data + b * vb + h * vh_,
+                            vr, head_slice(q_shift, h), head_slice(v_shift, h), head_slice(gain, h)};
+      local_term_rows(g, src, pa, pb, o_data + (b * HW + pa) * C + h * d, C);
     }
   });
   return out;
@@ -920,7 +975,7 @@ at::Tensor neighbourhood_cpu(const at::Tensor& q, const at::Tensor& k, const at:
   "Tensor k, Tensor v, SymInt num_prefix, SymInt H, SymInt W, Tensor? q_bias, Tensor? v_bias, Tensor embed_pos, " \
   "Tensor embed_neg, Tensor? temperature, Tensor lambda1, Tensor lambda2, Tensor norm1_weight, "                  \
   "Tensor norm2_weight, float eps1, float eps2, float scale, bool exact_prefix, bool joint, int gh, int gw, "     \
-  "Tensor dwc_taps, Tensor dwc_bias"
+  "Tensor dwc_taps, Tensor dwc_bias, int local_window=0, Tensor? local_gain=None"
 
 TORCH_LIBRARY(vca_patch, m) {
   m.def("attend_cpu(Tensor q, " VCA_ATTEND_ARGUMENTS ") -> Tensor",
