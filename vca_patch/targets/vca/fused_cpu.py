@@ -1,5 +1,5 @@
-"""VCA's fused CPU kernel (`csrc/vca_attend_cpu.cpp`): Stage I, Stage II, both RMSNorms and the depthwise conv
-as one op for float32 inference.
+"""VCA's fused CPU kernel (`csrc/vca_attend_cpu.cpp`): Stage I, Stage II, both RMSNorms, the depthwise conv and
+the optional local term as one op for float32 inference.
 
 On short sequences the composite path is ~25 small ATen calls per layer, each paying a cold dispatch (2-3x
 its hot time); the kernel runs them as one parallel region and makes VCA as fast as softmax attention at

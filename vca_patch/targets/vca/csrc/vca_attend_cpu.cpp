@@ -142,6 +142,9 @@ float* scratch(int slot, int64_t size) {
   return buffer.data();
 }
 
+// Head h's slice of a [C] vector (d channels per head); nullptr (no vector) stays nullptr.
+inline const float* head_slice(const float* x, int64_t h, int64_t d) { return x != nullptr ? x + h * d : nullptr; }
+
 void check_heads(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
   TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, name, " must be [B, M, N, d] with a unit channel stride");
@@ -172,6 +175,15 @@ struct LocalSource {
   const float* v_bias;
   const float* gain;
 };
+
+// (image b, head h) of q, k, v [B, M, N, d], with its slices of the [C] vectors q_bias, v_bias and gain.
+LocalSource local_source(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h,
+                         const float* q_bias, const float* v_bias, const float* gain) {
+  const int64_t d = q.size(3);
+  const auto head = [b, h](const at::Tensor& t) { return t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1); };
+  return {head(q), q.stride(2), head(k), k.stride(2), head(v), v.stride(2), head_slice(q_bias, h, d),
+          head_slice(v_bias, h, d), head_slice(gain, h, d)};
+}
 
 void local_term_rows(const LocalGrid& g, const LocalSource& src, int64_t pa, int64_t pb, float* o, int64_t o_ld);
 
@@ -406,10 +418,7 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       const int64_t pa = std::max(r0 - P, int64_t{0}), pb = r1 - P;  // the block's patch rows
       float* local = local_window > 0 && pb > pa ? scratch(6, kRowBlock * d) : nullptr;  // [pb − pa, d]
       if (local != nullptr) {  // before o is written over q
-        const auto head_slice = [h, d](const float* x) { return x != nullptr ? x + h * d : nullptr; };
-        const LocalSource src{q_data + b * qb + h * qh_, qr, k_data + b * kb + h * kh_, kr, v_data + b * vb + h * vh_,
-                              vr, head_slice(q_shift), head_slice(v_shift), head_slice(local_gain_data)};
-        local_term_rows(grid, src, pa, pb, local, d);
+        local_term_rows(grid, local_source(q, k, v, b, h, q_shift, v_shift, local_gain_data), pa, pb, local, d);
       }
       const float alpha = s * (tau != nullptr ? tau[h] : 1.f);  // s·τ·q·tᵀ
       gemm_rows(true, rows, 2 * n, d, alpha, q_data + b * qb + h * qh_ + r0 * qr, qr, keys + t * 2 * n * d, d, 0.f,
@@ -938,12 +947,6 @@ at::Tensor neighbourhood_cpu(const at::Tensor& q, const at::Tensor& k, const at:
   if (out_scale.has_value()) check_vector(*out_scale, C, "out_scale");
   at::Tensor out = at::empty({B, H * W, C}, q.options());
   if (B == 0) return out;
-  const int64_t qb = q.stride(0), qh_ = q.stride(1), qr = q.stride(2);
-  const int64_t kb = k.stride(0), kh_ = k.stride(1), kr = k.stride(2);
-  const int64_t vb = v.stride(0), vh_ = v.stride(1), vr = v.stride(2);
-  const float* q_data = q.data_ptr<float>();
-  const float* k_data = k.data_ptr<float>();
-  const float* v_data = v.data_ptr<float>();
   const float* q_shift = q_bias.has_value() ? q_bias->data_ptr<float>() : nullptr;
   const float* v_shift = v_bias.has_value() ? v_bias->data_ptr<float>() : nullptr;
   const float* gain = out_scale.has_value() ? out_scale->data_ptr<float>() : nullptr;
@@ -956,15 +959,13 @@ at::Tensor neighbourhood_cpu(const at::Tensor& q, const at::Tensor& k, const at:
   const int64_t wanted = (2 * at::get_num_threads() + heads - 1) / heads;
   const int64_t parts = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, blocks * kLanes / (4 * W)));
   const int64_t part_blocks = (blocks + parts - 1) / parts;
-  const auto head_slice = [d](const float* x, int64_t h) { return x != nullptr ? x + h * d : nullptr; };
   at::parallel_for(0, heads * parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / parts, b = t / M, h = t % M;
       const int64_t pa = task % parts * part_blocks * kLanes, pb = std::min(HW, pa + part_blocks * kLanes);
       if (pa >= pb) continue;
-      const LocalSource src{q_data + b * qb + h * qh_, qr, k_data + b * kb + h * kh_, kr, v_data + b * vb + h * vh_,
-                            vr, head_slice(q_shift, h), head_slice(v_shift, h), head_slice(gain, h)};
-      local_term_rows(g, src, pa, pb, o_data + (b * HW + pa) * C + h * d, C);
+      float* o = o_data + (b * HW + pa) * C + h * d;  // patch pa's row, channel 0 of head h
+      local_term_rows(g, local_source(q, k, v, b, h, q_shift, v_shift, gain), pa, pb, o, C);
     }
   });
   return out;
