@@ -1,0 +1,43 @@
+"""benchmarks/front.py: one quick run measures every documented row and the planner side by side, with the
+attention-free floor from the FLOP model and the machine's load, and writes its JSON, table and plot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from tests.support.paths import BENCHMARKS
+
+pytestmark = pytest.mark.e2e
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("front", BENCHMARKS / "front.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_quick_front_measures_every_row(tmp_path):
+    result = _module().main(["--quick", "--results", str(tmp_path)])
+    assert json.loads((tmp_path / "front_quick.json").read_text()) == json.loads(json.dumps(result))
+    assert (tmp_path / "front_quick.png").stat().st_size > 0
+    size = result["sizes"]["56"]
+    rows = size["rows"]
+    fixed = [name for name in rows if not name.startswith("planner")]
+    assert len(fixed) == 8 and {"VCA defaults", "merging r = N/12", "MANO k = 7"} <= set(fixed)
+    for name in fixed:
+        row = rows[name]
+        assert row["latency_ratio"] > 0 and -1 <= row["patch_token_cosine"] <= 1 and -1 <= row["cls_cosine"] <= 1
+    # a 4-block ViT, width 64, 17 tokens: 12·d² MACs per token in the Linears, 2·N²·d in attention, per block
+    linear, attention = 17 * 12 * 64**2, 2 * 17**2 * 64
+    assert size["floor"] == pytest.approx(linear / (linear + attention))
+    assert len(size["load_average"]["before"]) == 3
+    (planner,) = [rows[name] for name in rows if name.startswith("planner")]
+    assert planner["budget"] == 0.9 and ("error" in planner or "latency_ratio" in planner)
+    table = (tmp_path / "front_quick.md").read_text()
+    assert all(name in table for name in fixed) and "attention-free floor 0.96x" in table
