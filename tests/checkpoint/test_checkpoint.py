@@ -8,6 +8,7 @@ from tests.support.models import tiny, trained_a_little
 from vca_patch import VCAConfig, patch_model
 from vca_patch.checkpoint import CheckpointError, OutputExistsError, WeightsMismatchError
 from vca_patch.checkpoint import folder as checkpoint_module
+from vca_patch.core.atomic import UnsafeOutputError
 from vca_patch.surgery import PatchError
 
 
@@ -83,7 +84,7 @@ def test_unpatched_model_cannot_be_saved(tmp_path):
         vca_patch.save_pretrained(model, tmp_path / "c")
 
 
-def test_non_empty_folder_is_refused_and_force_replaces_it(tmp_path):
+def test_non_empty_folder_is_refused_and_force_replaces_only_a_checkpoint(tmp_path):
     model, args = tiny()
     patch_model(model)
     out = tmp_path / "c"
@@ -91,7 +92,13 @@ def test_non_empty_folder_is_refused_and_force_replaces_it(tmp_path):
     (out / "keep.txt").write_text("mine")
     with pytest.raises(OutputExistsError, match="not empty"):
         vca_patch.save_pretrained(model, out, model_args=args)
-    assert (out / "keep.txt").read_text() == "mine"
+    with pytest.raises(UnsafeOutputError, match=r"did not write: keep\.txt"):
+        vca_patch.save_pretrained(model, out, model_args=args, overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    vca_patch.save_pretrained(model, out, model_args=args)
+    with pytest.raises(OutputExistsError, match="pass --force"):
+        vca_patch.save_pretrained(model, out, model_args=args)
     vca_patch.save_pretrained(model, out, model_args=args, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
 

@@ -7,6 +7,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import vca_patch
+from tests.support.models import tiny
 from vca_patch.cli import app
 
 runner = CliRunner()
@@ -118,16 +119,23 @@ def test_weights_that_do_not_fit_name_the_keys(tmp_path, deit_weights):
     assert missing.exit_code == 2 and "does not exist" in missing.output
 
 
-def test_non_empty_output_needs_force(tmp_path):
+def test_non_empty_output_needs_force_and_force_replaces_only_a_checkpoint(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
+    for force in ((), ("--force",)):  # a user's file: refused, also with --force
+        result = invoke("convert", "deit_tiny_patch16_224", "--no-pretrained", "--output", str(out), *force)
+        assert result.exit_code == 2 and "not empty" in result.output and "did not write: notes.txt" in result.output
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
+    (out / "notes.txt").unlink()
+    model, args = tiny()
+    vca_patch.patch_model(model)
+    vca_patch.save_pretrained(model, out, model_args=args)  # a previous checkpoint: --force replaces it
     result = invoke("convert", "deit_tiny_patch16_224", "--no-pretrained", "--output", str(out))
-    assert result.exit_code == 2 and "not empty" in result.output and "--force" in result.output
-    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert result.exit_code == 2 and "holds a vca-patch output" in result.output and "--force" in result.output
     forced = invoke("convert", "deit_tiny_patch16_224", "--no-pretrained", "--output", str(out), "--force")
     assert forced.exit_code == 0, forced.output
-    assert (out / "model.safetensors").is_file() and not (out / "notes.txt").exists()
+    assert json.loads((out / "config.json").read_text())["base"]["architecture"] == "deit_tiny_patch16_224"
 
 
 def test_model_with_nothing_to_patch_exits_non_zero(tmp_path):

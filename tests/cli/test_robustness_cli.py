@@ -243,25 +243,23 @@ def test_staged_directory_resolves_a_relative_name_and_cleans_up_after_a_failure
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "old.txt").write_text("old")
+    (tmp_path / "sub" / "old.pt2").write_text("old")  # a previous export: --force may replace it
     with pytest.raises(UnsafeOutputError), staged_directory(Path("."), overwrite=True):
         pass
     with pytest.raises(OSError, match="disk full"), staged_directory(Path("sub/../sub"), overwrite=True) as stage:
         (stage / "new.txt").write_text("new")
         raise OSError("disk full")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]
-    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["old.txt"]
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["old.pt2"]
 
 
-def test_convert_force_names_the_files_it_will_remove_before_writing(tmp_path):
+def test_convert_force_refuses_a_folder_of_user_files_naming_them_before_any_work(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("keep?")
-    result = runner.invoke(app, ["convert", "deit_tiny_patch16_224", "--no-pretrained", "-o", str(out), "--force"])
-    assert result.exit_code == 0, result.output
-    warning = next(line for line in result.output.splitlines() if line.startswith("warning:"))
-    assert "will be removed: notes.txt" in warning
-    assert result.output.index("warning:") < result.output.index("Attention sites")  # said before the work
+    result = run_unchanged(["convert", "deit_tiny_patch16_224", "--no-pretrained", "-o", str(out), "--force"], [out])
+    one_error_line(result, 2, "holds what vca-patch did not write: notes.txt", "choose a new folder")
+    assert "Attention sites" not in result.output  # refused before the work
 
 
 def test_an_interrupted_finetune_marks_metrics_and_names_the_resume_step(files, tmp_path, monkeypatch):

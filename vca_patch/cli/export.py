@@ -41,6 +41,7 @@ def export(
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Output file (default: DIRECTORY.pt2 / .onnx beside it)")
     ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace the output file if it exists")] = False,
 ) -> None:
     """Export a converted model to .pt2 or ONNX; the written file is checked against eager (max error printed)."""
     from vca_patch.checkpoint.folder import read_checkpoint_config
@@ -51,7 +52,7 @@ def export(
     size = _parse_size(img_size)
     read_checkpoint_config(directory)  # the input first: a missing folder is named as such, not by its output
     out = output if output is not None else directory.parent / f"{directory.name}.{format}"
-    check_output(out, {"model folder": directory}, kind="file", option="-o")
+    check_output(out, {"model folder": directory}, kind="file", force=force, option="-o")
     try:
         result = export_folder(directory, out, format=format, dynamic=dynamic, img_size=size)
     except FixedSizeError as exc:  # the command that works: the model's own size, the batch dynamic
