@@ -27,7 +27,6 @@ pipeline folder: its transformer/) is read from the weights file in it.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch
 
 from vca_patch.checkpoint.base_model import HubUnavailableError, hub_offline_reason
 from vca_patch.checkpoint.config_guard import UnsafeConfigError, check_hub_ref, is_hub_id
+from vca_patch.core.bounded import read_json
 from vca_patch.core.weights import read_state_dict
 
 HUB_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -294,9 +294,10 @@ def _hub_file(ref: dict[str, Any], filename: str) -> Path:
 
 def _read_shards(index: Path, locate: Callable[[str], Path]) -> dict[str, torch.Tensor]:
     """The tensors of sharded weights: `index` (a .safetensors.index.json) names the shards, `locate` finds each."""
+    data = read_json(index, "sharded-weights index", error=DeltaError)  # within a size and nesting limit
     try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        shards = sorted(set(data["weight_map"].values()))
+    except (KeyError, TypeError, AttributeError) as exc:
         raise DeltaError(f"{index} is not a sharded-weights index (no weight_map): {exc}") from None
     bad = [s for s in shards if not isinstance(s, str) or not _SHARD.fullmatch(s)]
     if bad:

@@ -39,7 +39,9 @@ from vca_patch.checkpoint.delta import (
 )
 from vca_patch.checkpoint.model_card import check_metadata, render_model_card
 from vca_patch.core.atomic import atomic_write_text, staged_directory
+from vca_patch.core.bounded import read_json
 from vca_patch.core.formats import format_of_model
+from vca_patch.core.sizes import check_model_config
 from vca_patch.core.weights import WeightsMismatchError, load_state_dict_checked, read_state_dict
 from vca_patch.families import adapter_by_name
 from vca_patch.surgery import PatchError, get_patch_state, patch_model, patched_layers
@@ -249,14 +251,11 @@ def read_checkpoint_config(directory: Path) -> dict[str, Any]:
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is a file; a checkpoint is the folder that save_pretrained wrote")
     meta: Any = None
-    if (directory / CONFIG_NAME).is_file():
-        try:
-            meta = json.loads((directory / CONFIG_NAME).read_text(encoding="utf-8"))
-        except (ValueError, OSError) as exc:  # not JSON, not UTF-8 text (a binary file), or unreadable
-            raise CheckpointError(f"{directory / CONFIG_NAME} is not valid JSON: {exc}") from exc
+    if (directory / CONFIG_NAME).exists():  # read within a size and nesting limit; a FIFO or folder is refused
+        meta = read_json(directory / CONFIG_NAME, "checkpoint config", error=CheckpointError)
     form = meta.get("checkpoint_form", "merged") if isinstance(meta, dict) else "merged"
     expected = (CONFIG_NAME, FORMS.get(form, WEIGHTS_NAME))
-    missing = [name for name in expected if not (directory / name).is_file()]
+    missing = [name for name in expected if not (directory / name).exists()]  # a FIFO is named by its reader
     if missing:
         raise CheckpointError(f"{directory} is not a vca-patch checkpoint: missing {', '.join(missing)}")
     return check_checkpoint_config(meta, str(directory / CONFIG_NAME))
@@ -265,6 +264,9 @@ def read_checkpoint_config(directory: Path) -> dict[str, Any]:
 def build_model(meta: dict[str, Any]) -> nn.Module:
     """The converted architecture described by `meta` (checked by `check_loadable`), without weights."""
     check_loadable(meta, "config.json")
+    for key in ("config", "model_args"):  # sizes, heads and weights checked before the base is built
+        if isinstance(meta["base"].get(key), dict):
+            check_model_config(meta["base"][key], "config.json", field=f"base.{key}.")
     adapter = adapter_by_name(meta["adapter"])
     model = adapter.create_base(meta["base"])
     patch_model(model, TargetConfig.from_dict(meta["config"]))

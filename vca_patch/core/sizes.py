@@ -13,6 +13,7 @@ one block's softmax attention matrix (0 heads for attention that never forms it)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from vca_patch.core.errors import ConfigError
 
@@ -69,16 +70,22 @@ def available_memory(device: str = "cpu") -> tuple[int | None, str]:
 
 
 def check_memory(
-    estimate: int, what: str, *, device: str = "cpu", available: int | None = None, hint: str = ""
+    estimate: int,
+    what: str,
+    *,
+    device: str = "cpu",
+    available: int | None = None,
+    hint: str = "",
+    of: str = "activations",
 ) -> None:
-    """Refuse `what` when its estimated activation memory passes the memory free on `device`."""
+    """Refuse `what` when its estimated memory (`of` activations, or weights) passes the memory free on `device`."""
     label = "available memory"
     if available is None:
         available, label = available_memory(device)
     if available is None or estimate <= available:
         return
     raise SizeError(
-        f"{what} needs about {format_bytes(estimate)} of activations, more than the {format_bytes(available)} of "
+        f"{what} needs about {format_bytes(estimate)} of {of}, more than the {format_bytes(available)} of "
         f"{label} here{'; ' + hint if hint else ''}"
     )
 
@@ -142,3 +149,95 @@ def config_size_problem(key: str, value: object) -> str | None:
     if all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= high for v in items):
         return None
     return f"expected {'integers' if isinstance(value, (list, tuple)) else 'an integer'} from 1 to {high}"
+
+
+# A model config's keys for its width, depth, image side, patch side and heads (transformers' names, then timm's).
+_WIDTH_KEYS = ("hidden_size", "embed_dim")
+_DEPTH_KEYS = ("num_hidden_layers", "depth")
+_IMAGE_KEYS = ("image_size", "img_size")
+_HEAD_KEYS = ("num_attention_heads", "num_heads")
+_LABEL_MAPS = ("id2label", "label2id")  # free-form label names, not sizes
+WEIGHT_BYTES = 4  # float32, as a model is built
+
+
+def config_sections(config: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(field prefix, mapping) of `config` and of every config nested in it (`vision_config.`, ...), found
+    iteratively so that no nesting exhausts the stack."""
+    found, stack = [], [("", config)]
+    while stack:
+        prefix, section = stack.pop()
+        found.append((prefix, section))
+        for key, value in section.items():
+            if isinstance(value, dict) and key not in _LABEL_MAPS:
+                stack.append((f"{prefix}{key}.", value))
+    return found
+
+
+def _first_int(section: dict[str, Any], keys: tuple[str, ...]) -> tuple[str, int] | None:
+    """(key, value) of the first of `keys` that `section` sets to an integer; None when none does."""
+    for key in keys:
+        value = section.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return key, value
+    return None
+
+
+def _sides(value: Any) -> tuple[int, int] | None:
+    """(height, width) of a size given as N or [H, W]; None for anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return int(value[0]), int(value[1])
+    return None
+
+
+def _check_section(section: dict[str, Any], where: str, prefix: str) -> None:
+    """One (sub)config: each size within CONFIG_SIZE_BOUNDS, the patch no larger than the image, and the heads
+    dividing the width (each head takes an equal share of it)."""
+    for key, value in section.items():
+        problem = config_size_problem(key, value)
+        if problem:
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            raise SizeError(f"{where}: {prefix}{key} = {shown} is out of bounds: {problem}")
+    image_key = next((k for k in _IMAGE_KEYS if k in section), None)
+    image, patch = _sides(section.get(image_key)), _sides(section.get("patch_size"))
+    if image and patch and (patch[0] > image[0] or patch[1] > image[1]):
+        raise SizeError(
+            f"{where}: {prefix}patch_size = {section['patch_size']!r} is larger than {prefix}{image_key} = "
+            f"{section[image_key]!r}: an image must hold at least one patch"
+        )
+    width, heads = _first_int(section, _WIDTH_KEYS), _first_int(section, _HEAD_KEYS)
+    if width and heads and width[1] % heads[1]:
+        raise SizeError(
+            f"{where}: {prefix}{heads[0]} = {heads[1]} does not divide {prefix}{width[0]} = {width[1]}: each "
+            "attention head takes an equal share of the width"
+        )
+
+
+def weight_bytes(section: dict[str, Any]) -> int:
+    """A lower estimate of the float32 weights one (sub)config builds: its position table (one row of `width` per
+    patch of the image) and `depth` blocks of 12·width² (attention 4·width², MLP 8·width²); 0 for what it does
+    not say."""
+    width, depth = _first_int(section, _WIDTH_KEYS), _first_int(section, _DEPTH_KEYS)
+    image_key = next((k for k in _IMAGE_KEYS if k in section), None)
+    image, patch = _sides(section.get(image_key)), _sides(section.get("patch_size"))
+    if width is None:
+        return 0
+    values = 12 * width[1] ** 2 * depth[1] if depth else 0
+    if image and patch and patch[0] and patch[1]:
+        values += (image[0] // patch[0]) * (image[1] // patch[1]) * width[1]
+    return WEIGHT_BYTES * values
+
+
+def check_model_config(config: dict[str, Any], where: str, *, field: str = "", available: int | None = None) -> None:
+    """Refuse (a SizeError naming `where` and the field) a model config that no model is built from: a size out
+    of CONFIG_SIZE_BOUNDS, a patch larger than the image, heads that do not divide the width (in the config and
+    each nested one), or weights (`weight_bytes`) larger than the memory available here. Checked before the model
+    is built, so a config.json asking for a 65536 px position table is one line, not an out-of-memory kill.
+    `field` prefixes the fields named (e.g. "base.model_args." for a checkpoint's)."""
+    sections = config_sections(config)
+    for prefix, section in sections:
+        _check_section(section, where, field + prefix)
+    estimate = sum(weight_bytes(section) for _, section in sections)
+    check_memory(estimate, f"the model of {where}", available=available, of="weights",
+                 hint="its config asks for a larger model than this machine holds")  # fmt: skip

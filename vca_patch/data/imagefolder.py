@@ -3,6 +3,7 @@ held out deterministically."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +46,39 @@ def split_folder(root: Path, name: str) -> Path | None:
     )
 
 
+def check_no_link_loop(folder: Path, root: Path) -> None:
+    """A DatasetError naming the link when a symbolic link under `folder` leads back to a folder above it (a
+    loop that a walk following links, as torchvision's does, would follow until paths grow too long, and
+    forever with two such links); links to anywhere else are followed as before."""
+    if not folder.is_dir():
+        return
+    real_top = Path(os.path.realpath(folder))
+    chains = {str(folder): (str(real_top), *map(str, real_top.parents))}  # a link to any folder above loops too
+    for parent, subfolders, _ in os.walk(folder, followlinks=True):
+        chain = chains.pop(parent)
+        for name in sorted(subfolders):
+            path = os.path.join(parent, name)
+            real = os.path.realpath(path)
+            if real in chain:
+                raise DatasetError(
+                    f"ImageFolder {root} has a symbolic link loop: {path} leads back to {real}, a folder above "
+                    "it; remove the link"
+                )
+            chains[path] = (*chain, real)
+
+
 def _checked_folder(folder: Path, transform: Any, *, channels: int, skip_bad: bool) -> Dataset:
     """torchvision's ImageFolder whose images are read by `read_image` (an unreadable one named, or skipped and
     counted with `skip_bad`: the next readable image stands in for it) and adapted to `channels`."""
     from torchvision.datasets import ImageFolder
 
     class CheckedImageFolder(ImageFolder):
+        @staticmethod
+        def make_dataset(directory: Any, class_to_idx: dict[str, int], *args: Any, **kwargs: Any) -> list:
+            for name in class_to_idx:  # a link loop is named before torchvision's walk would follow it
+                check_no_link_loop(Path(directory) / name, Path(directory))
+            return ImageFolder.make_dataset(directory, class_to_idx, *args, **kwargs)
+
         def __getitem__(self, index: int) -> tuple[Any, int]:
             for attempt in range(len(self.samples)):
                 path, target = self.samples[(index + attempt) % len(self.samples)]

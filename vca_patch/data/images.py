@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from vca_patch.core.bounded import not_regular
 from vca_patch.data.errors import DatasetError
 
+MAX_IMAGE_PIXELS = 89_478_485  # PIL's own warning threshold (a 9459×9459 image; ~256 MiB as RGB)
 SKIP_HINT = "remove or replace it, or pass --skip-bad-images (recipe: data.skip_bad_images: true) to skip such files"
 
 
@@ -41,15 +43,33 @@ def adapt_data_config(cfg: dict[str, Any], channels: int) -> dict[str, Any]:
 
 def read_image(path: str | Path, channels: int = 3) -> Any:
     """The image at `path`, fully decoded and adapted to `channels`; a DatasetError naming the file if it cannot be
-    read (missing, not an image, truncated)."""
+    read (missing, not an image, truncated), is no regular file (a FIFO would block the read forever) or has more
+    than MAX_IMAGE_PIXELS pixels (a decompression bomb: a small file that decodes to gigabytes), checked from its
+    header before it is decoded."""
     from PIL import Image
 
+    kind = not_regular(path)
+    if kind is not None:
+        raise DatasetError(f"cannot read image {path}: it is {kind}, not a regular file; {SKIP_HINT}")
     try:
         with Image.open(path) as image:
+            _check_pixels(path, image.size)
             image.load()
             return adapt_image(image, channels)
-    except (OSError, ValueError, SyntaxError) as exc:  # PIL: UnidentifiedImageError, "image file is truncated", ...
+    except DatasetError:  # too many pixels: already one line
+        raise
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:  # PIL: "image file is truncated"
         raise DatasetError(f"cannot read image {path}: {str(exc).strip() or type(exc).__name__}; {SKIP_HINT}") from exc
+
+
+def _check_pixels(path: str | Path, size: tuple[int, int]) -> None:
+    """At most MAX_IMAGE_PIXELS pixels, from the image's header (before anything is decoded)."""
+    width, height = size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise DatasetError(
+            f"cannot read image {path}: it is {width}×{height} = {width * height} pixels, more than the "
+            f"{MAX_IMAGE_PIXELS} an image may have (a decompression bomb?); {SKIP_HINT}"
+        )
 
 
 class SkippedImages:

@@ -11,6 +11,7 @@ smallest refused sizes and the export fails if it is wrong there. Nothing is wri
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -289,6 +290,8 @@ def _checked(
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ExportError(f"the exported model fails at {where}: {first[:300]}") from None
     error = float((out.to(expected.dtype).to(expected.device) - expected).abs().max())
+    if not math.isfinite(error):
+        raise _not_finite(out, expected, where)
     if refused is not None and not error <= 1e-4 * (1 + float(expected.abs().max())):
         raise ExportError(
             f"the ONNX graph differs from eager by {error:.2e} at {where}, where the traced graph does not hold "
@@ -297,6 +300,15 @@ def _checked(
             "which refuses the sizes outside"
         )
     return error
+
+
+def _not_finite(out: torch.Tensor, expected: torch.Tensor, where: str) -> ExportError:
+    """The export's refusal when its check against eager is not a number: which side gave non-finite values."""
+    sides = [name for name, t in (("eager", expected), ("the exported model", out)) if not torch.isfinite(t).all()]
+    return ExportError(
+        f"the check against eager at {where} is not finite: {' and '.join(sides) or 'their difference'} gave NaN "
+        "or infinite outputs, so the export cannot be verified; nothing was written (check the weights for NaN)"
+    )
 
 
 def export_folder(

@@ -51,14 +51,25 @@ class DiffusionSpec:
     seed: int = 0
 
 
+MAX_SEED = 2**32 - 1  # numpy's seed range
+MAX_LATENT_SIZE = 4096  # latent pixels a side (a 32768 px image at 8x)
+_COUNT_LIMITS = {"train_latents": 100_000_000, "eval_latents": 100_000_000, "text_tokens": 65_536,
+                 "num_train_timesteps": 1_000_000}  # fmt: skip
+
+
 def check_diffusion_spec(spec: DiffusionSpec) -> list[str]:
     """What is wrong with `spec` (empty when nothing), each message naming the key."""
     problems = []
-    for key in ("train_latents", "eval_latents", "text_tokens", "num_train_timesteps"):
-        if getattr(spec, key) < 1:
-            problems.append(f"diffusion.{key} must be >= 1, got {getattr(spec, key)}")
-    if spec.latent_size is not None and spec.latent_size < 1:
-        problems.append(f"diffusion.latent_size must be >= 1 (null: the model's sample_size), got {spec.latent_size}")
+    for key, high in _COUNT_LIMITS.items():
+        if not 1 <= getattr(spec, key) <= high:
+            problems.append(f"diffusion.{key} must be >= 1 and <= {high}, got {getattr(spec, key)}")
+    if spec.latent_size is not None and not 1 <= spec.latent_size <= MAX_LATENT_SIZE:
+        problems.append(
+            f"diffusion.latent_size must be >= 1 and <= {MAX_LATENT_SIZE} (null: the model's sample_size), "
+            f"got {spec.latent_size}"
+        )
+    if not 0 <= spec.seed <= MAX_SEED:
+        problems.append(f"diffusion.seed must be >= 0 and <= {MAX_SEED}, got {spec.seed}")
     for key in ("attention_weight", "teacher_weight", "objective_weight", "logit_std", "min_snr_gamma"):
         if getattr(spec, key) < 0:
             problems.append(f"diffusion.{key} must be >= 0, got {getattr(spec, key)}")

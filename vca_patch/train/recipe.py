@@ -17,7 +17,7 @@ from typing import Any, Literal, get_args, get_origin
 from vca_patch.core.errors import ConfigError
 from vca_patch.core.sizes import MAX_IMG_SIZE
 from vca_patch.train import target_keys
-from vca_patch.train.diffusion_spec import DiffusionSpec, check_diffusion_spec
+from vca_patch.train.diffusion_spec import MAX_SEED, DiffusionSpec, check_diffusion_spec
 
 
 class RecipeError(ValueError):
@@ -276,26 +276,72 @@ def _target_keys(section: str, given: dict[str, Any], keys: dict[str, Any], wher
     return values
 
 
+# Largest values a recipe may give: far above any real run, far below what overflows a counter, an ETA or memory.
+MAX_STEPS = 10_000_000  # updates of one stage, and step intervals (ImageNet for 300 epochs at batch 256: ~1.5 M)
+MAX_BATCH = 65_536  # images per micro-batch
+MAX_GRAD_ACCUM = 4096  # micro-batches per update
+MAX_IMAGES = 100_000_000  # evaluation and calibration images, examples
+MAX_WORKERS = 256  # data loader processes
+MAX_KEEP = 1000  # training checkpoints kept
+MAX_TEMPERATURE = 100.0  # knowledge-distillation temperature
+
+# (low, high) of each integer key, inclusive
+_TRAIN_RANGES = {
+    "batch_size": (1, MAX_BATCH), "grad_accum": (1, MAX_GRAD_ACCUM), "seed": (0, MAX_SEED),
+    "checkpoint_every": (1, MAX_STEPS), "eval_every": (1, MAX_STEPS), "log_every": (1, MAX_STEPS),
+    "keep_checkpoints": (1, MAX_KEEP), "eval_images": (1, MAX_IMAGES),
+}  # fmt: skip
+_STAGE_RANGES = {"warmup_steps": (0, MAX_STEPS), "calibration_images": (1, MAX_IMAGES)}
+_STAGE_NON_NEGATIVE = ("lr", "carried_lr", "rest_lr", "weight_decay", "label_weight")
+
+
+def _in_range(where: str, value: float, low: float, high: float, note: str = "") -> None:
+    """`low <= value <= high`, else a RecipeError naming the key, the range and the value."""
+    if not low <= value <= high:
+        raise RecipeError(f"{where} must be >= {low} and <= {high}{note}, got {value}")
+
+
 def _check(recipe: Recipe) -> None:
-    t = recipe.train
-    for key in ("batch_size", "grad_accum", "checkpoint_every", "eval_every", "log_every", "keep_checkpoints"):
-        if getattr(t, key) < 1:
-            raise RecipeError(f"train.{key} must be >= 1, got {getattr(t, key)}")
-    if not 0.0 <= t.ema_decay < 1.0:
-        raise RecipeError(f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
+    """Every section's values within their ranges, and the sections consistent with each other."""
+    _check_train(recipe.train)
     if not recipe.stages:
         raise RecipeError("stages: a recipe needs at least one stage")
     names = [s.name for s in recipe.stages]
     if len(set(names)) != len(names):
         raise RecipeError(f"stages: names must be unique, got {names}")
-    for i, s in enumerate(recipe.stages):
-        if s.kind != "calibrate" and s.steps < 1:
-            raise RecipeError(f"stages[{i}].steps must be >= 1 for a {s.kind} stage, got {s.steps}")
-        for key in ("lr", "carried_lr", "rest_lr", "weight_decay", "label_weight"):
-            if getattr(s, key) < 0:
-                raise RecipeError(f"stages[{i}].{key} must be >= 0, got {getattr(s, key)}")
-        if s.cls_weight is not None and not 0.0 <= s.cls_weight <= 1.0:
-            raise RecipeError(f"stages[{i}].cls_weight must be in [0, 1] (or null), got {s.cls_weight}")
+    for i, stage in enumerate(recipe.stages):
+        _check_stage(stage, f"stages[{i}]")
+    _check_diffusion(recipe)
+    _check_data(recipe.data)
+
+
+def _check_train(t: TrainSpec) -> None:
+    """The loop's counts, intervals and seed in range; EMA decay in [0, 1); gradient clipping >= 0 (0: off)."""
+    for key, (low, high) in _TRAIN_RANGES.items():
+        _in_range(f"train.{key}", getattr(t, key), low, high)
+    if not 0.0 <= t.ema_decay < 1.0:
+        raise RecipeError(f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
+    if t.grad_clip < 0:
+        raise RecipeError(f"train.grad_clip must be >= 0 (0: no clipping), got {t.grad_clip}")
+
+
+def _check_stage(s: StageSpec, where: str) -> None:
+    """A stage's step counts, rates, ratios and temperature in range (steps >= 1 unless it only calibrates)."""
+    _in_range(f"{where}.steps", s.steps, 0 if s.kind == "calibrate" else 1, MAX_STEPS, f" for a {s.kind} stage")
+    for key, (low, high) in _STAGE_RANGES.items():
+        _in_range(f"{where}.{key}", getattr(s, key), low, high)
+    for key in _STAGE_NON_NEGATIVE:
+        if getattr(s, key) < 0:
+            raise RecipeError(f"{where}.{key} must be >= 0, got {getattr(s, key)}")
+    _in_range(f"{where}.min_lr_ratio", s.min_lr_ratio, 0.0, 1.0, " (the final learning rate over the peak)")
+    if not 0.0 < s.kd_temperature <= MAX_TEMPERATURE:
+        raise RecipeError(f"{where}.kd_temperature must be > 0 and <= {MAX_TEMPERATURE}, got {s.kd_temperature}")
+    if s.cls_weight is not None and not 0.0 <= s.cls_weight <= 1.0:
+        raise RecipeError(f"{where}.cls_weight must be in [0, 1] (or null), got {s.cls_weight}")
+
+
+def _check_diffusion(recipe: Recipe) -> None:
+    """distill_diffusion stages and a `diffusion` section come together, and the section is valid."""
     diffusion_stages = [s.name for s in recipe.stages if s.kind == "distill_diffusion"]
     if diffusion_stages and recipe.diffusion is None:
         raise RecipeError(f"stage {diffusion_stages[0]!r} is distill_diffusion: the recipe needs a `diffusion` section")
@@ -306,49 +352,50 @@ def _check(recipe: Recipe) -> None:
             problems.append(f"stage {other[0]!r}: a recipe with a `diffusion` section takes distill_diffusion stages")
         if problems:
             raise RecipeError(problems[0])
-    if recipe.data.mixup < 0 or recipe.data.cutmix < 0:
+
+
+def _check_data(d: DataSpec) -> None:
+    """Counts and sizes that make no sense are refused before anything is loaded: example counts of at least 1
+    (null: all), an image side of 1 to 16384 px, 0 to MAX_WORKERS workers, mixup and cutmix alphas >= 0."""
+    if d.mixup < 0 or d.cutmix < 0:
         raise RecipeError("data.mixup and data.cutmix must be >= 0")
-    _check_sizes(recipe)
-
-
-def _check_sizes(recipe: Recipe) -> None:
-    """Counts and sizes that make no sense are refused before anything is loaded: image and example counts of at
-    least 1 (null: all), warm-up steps of at least 0, no negative worker count, an image side of 1 to 16384 px."""
-    d, t = recipe.data, recipe.train
     for key in ("train_limit", "eval_limit"):
         if getattr(d, key) is not None and getattr(d, key) < 1:
             raise RecipeError(f"data.{key} must be >= 1 (or null: every example), got {getattr(d, key)}")
     if d.img_size is not None and not 1 <= d.img_size <= MAX_IMG_SIZE:
         raise RecipeError(f"data.img_size must be from 1 to {MAX_IMG_SIZE} px (or null: the model's), got {d.img_size}")
-    if d.num_workers < 0:
-        raise RecipeError(f"data.num_workers must be >= 0 (0: load in the main process), got {d.num_workers}")
-    if t.eval_images < 1:
-        raise RecipeError(f"train.eval_images must be >= 1, got {t.eval_images}")
-    for i, s in enumerate(recipe.stages):
-        if s.warmup_steps < 0:
-            raise RecipeError(f"stages[{i}].warmup_steps must be >= 0, got {s.warmup_steps}")
-        if s.calibration_images < 1:
-            raise RecipeError(f"stages[{i}].calibration_images must be >= 1, got {s.calibration_images}")
+    _in_range("data.num_workers", d.num_workers, 0, MAX_WORKERS, " (0: load in the main process)")
 
 
 def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
-    """Validate a parsed recipe mapping."""
+    """Validate a parsed recipe mapping; every error names `source` (the file) and the key."""
     recipe = _build(Recipe, data, source)
-    _check(recipe)
+    try:
+        _check(recipe)
+    except RecipeError as exc:
+        raise RecipeError(f"{source}: {exc}") from None
     return recipe
 
 
+MAX_RECIPE_BYTES = 1 << 20  # a recipe file (the shipped ones are under 4 KiB)
+
+
 def load_recipe(path: str | Path) -> Recipe:
-    """Read and validate a YAML recipe file."""
+    """Read and validate a YAML recipe file: a regular file of at most MAX_RECIPE_BYTES, loaded with safe tags and
+    bounded aliases and nesting (`core.bounded_yaml`), so no file can hang or exhaust the loader."""
     import yaml
 
+    from vca_patch.core.bounded import read_bounded
+    from vca_patch.core.bounded_yaml import YAMLLimitError, bounded_safe_load
+
     path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"recipe file {path} does not exist")
+    data = read_bounded(path, MAX_RECIPE_BYTES, "recipe file", RecipeError)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        parsed = bounded_safe_load(data.decode("utf-8"))
+    except YAMLLimitError as exc:
+        raise RecipeError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"{path} is not valid YAML: {exc}") from exc
-    except (UnicodeDecodeError, OSError) as exc:  # a binary file, or one that cannot be read
+    except UnicodeDecodeError as exc:  # a binary file
         raise RecipeError(f"{path} is not a readable YAML text file ({type(exc).__name__}: {exc})") from exc
-    return recipe_from_dict(data, path.name)
+    return recipe_from_dict(parsed, path.name)
