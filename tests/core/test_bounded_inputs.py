@@ -252,3 +252,17 @@ def test_a_config_whose_weights_do_not_fit_in_memory_is_refused():
     with pytest.raises(SizeError, match=r"config\.json needs about 36\.0 GiB of weights, more than the 1\.0 GiB"):
         check_model_config(config, "config.json", available=1 << 30)
     check_model_config(VIT, "config.json", available=1 << 30)
+
+
+def test_convert_of_a_folder_whose_config_json_nests_too_deep_is_one_line(tmp_path):
+    """`convert FOLDER` reads the folder's config.json bounded (it was 'internal error: RecursionError')."""
+    from typer.testing import CliRunner
+
+    from vca_patch.cli.app import app
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    result = CliRunner().invoke(app, ["convert", str(folder), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "nested more than 64 levels deep" in result.output and "internal error" not in result.output

@@ -230,17 +230,13 @@ def fit_default_contrast_tokens(net: nn.Module, config: Any) -> Any:
 def refuse_checkpoint_input(model: str) -> None:
     """MODEL is a folder vca-patch wrote (its config.json has `vca_patch_version` and a `base`): say what it is
     and what to do, instead of failing inside the loader (a converted model is not converted again)."""
-    import json
-
+    from vca_patch.core.bounded import read_json
     from vca_patch.core.errors import ConfigError
 
     config = Path(model) / "config.json"
     if not config.is_file():
         return
-    try:
-        meta = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return
+    meta = read_json(config, "config.json", error=ConfigError)  # bounded: a too-deep or too-large file is refused
     if not isinstance(meta, dict) or not isinstance(meta.get("base"), dict) or "vca_patch_version" not in meta:
         return
     target = (meta.get("config") or {}).get("target", "?") if isinstance(meta.get("config"), dict) else "?"
