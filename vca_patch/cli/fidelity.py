@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -15,6 +16,7 @@ from vca_patch.cli.target_options import split_options, typer_command
 from vca_patch.targets import CONFIG_TYPES
 
 KINDS = ("fashion_mnist", "imagefolder", "hf")
+CALIBRATION_BATCH = 8  # images per batch read for calibration: the reading bar moves during a long capture
 
 
 SKIP_HELP = "Skip unreadable or corrupt image files (counted and named on stderr) instead of stopping at the first"
@@ -57,6 +59,42 @@ class Batches:
         yield from track(self.loader, len(self.loader), self.description)
         if self.then is not None:
             self.then()
+
+
+class LayerProgress:
+    """`calibrate`'s `progress` callback on the console: a bar of the layers fitted (total and ETA; plain lines when
+    piped), opened by `start` once the calibration images are read; a `grow_tokens` pass, whose count starts again
+    at 1, gets a bar of its own."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self._bar: Iterator[int] | None = None
+        self._done = 0
+
+    def start(self, total: int | None = None, description: str | None = None) -> None:
+        """Open a bar of `total` layers (default: all), shown at 0 done."""
+        from vca_patch.cli.progress import track
+
+        self.close()
+        total = self.layers if total is None else total
+        description = description or f"Fitting {total} layers in closed form"
+        self._bar, self._done = track(range(total), total, description, unit="layers"), 0
+        next(self._bar, None)
+
+    def __call__(self, done: int, total: int, path: str) -> None:
+        """One more layer fitted (`calibrate` calls this after each layer)."""
+        if done <= self._done:  # a new pass: the layers grow_tokens rebuilt
+            self.start(total, f"Fitting {total} rebuilt layers again")
+        elif self._bar is None:
+            self.start(total)
+        self._done = done
+        next(self._bar, None)
+
+    def close(self) -> None:
+        """Close the bar (it is left as it is when calibration stops early)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def report_skipped(*datasets) -> None:
@@ -273,17 +311,16 @@ def calibrate_for_convert(
     # training=True: the train split (spec.augment is "none": eval transforms), disjoint from the held-out one
     train = build_dataset(spec, "train", training=True, img_size=size[1], model_cfg=cfg)
     held_out = build_dataset(spec, eval_split, training=False, img_size=size[1], model_cfg=cfg)
-    calib = DataLoader(Subset(train, range(min(images, len(train)))), batch_size=64)
+    calib = DataLoader(Subset(train, range(min(images, len(train)))), batch_size=CALIBRATION_BATCH)
     probe_set = DataLoader(Subset(held_out, range(min(images, len(held_out)))), batch_size=64)
     layers = sum(1 for m in net.modules() if state.config.calibrates(m))
-    fitting = console.status(f"Fitting {layers} layers in closed form...")
-
+    fitting = LayerProgress(layers)
     reading = Batches(calib, f"Reading {len(calib.dataset)} calibration images", then=fitting.start)  # then the fits
     with torch.no_grad():
         try:
-            report = calibrate(net, reading, grow_tokens=grow_tokens)
+            report = calibrate(net, reading, grow_tokens=grow_tokens, progress=fitting)
         finally:
-            fitting.stop()
+            fitting.close()
         if report.grown:
             grown = ", ".join(f"block {block}: n = {n}" for block, n in sorted(report.grown.items()))
             console.print(f"Calibration gave more contrast tokens to {grown}", highlight=False)

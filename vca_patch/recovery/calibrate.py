@@ -12,12 +12,16 @@ every step's relative error of the layer's output is recorded. Targets without a
   real DINOv2 weights: worse than teacher-forced, CLS cosine 0.84 -> 0.73; kept for models where it may help).
 * ``grow_tokens``: layers whose error stays above a threshold are rebuilt with more tokens (the target's
   `grown_tokens` / `with_more_tokens` hooks; VCA: its `layer_contrast_tokens`) and calibrated again.
+
+Cost: the capture (one forward of the original model; each calibrated layer's teacher is recorded in it) and every
+layer forward grow with the tokens; the per-step errors are measured on the first images up to `MEASURE_TOKENS`
+tokens (the last step's on all images), so that reporting them stays cheap at high resolution.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,11 +43,14 @@ from vca_patch.surgery import PatchError, get_patch_state, patch_model, unpatch_
 from vca_patch.targets.base import TargetConfig
 
 _pre_proj = projection_input  # the name tests and older callers use
+MEASURE_TOKENS = 4096  # per-step errors are measured on the first images holding this many tokens (at least one)
+Progress = Callable[[int, int, str], None]  # progress(layers done, layers in this pass, path of the layer done)
 
 
 @dataclass
 class LayerCalibration:
-    """What calibration did to one layer and the relative error of its output after each step."""
+    """What calibration did to one layer and the relative error of its output after each step: every step's on
+    the first images up to `MEASURE_TOKENS` tokens, the last step's on all calibration images."""
 
     path: str
     layer_index: int
@@ -115,6 +122,7 @@ def calibrate(
     grow_tokens: float | None = None,
     inputs: str = "original",
     captures: dict[str, LayerCapture] | None = None,
+    progress: Progress | None = None,
     **options: Any,
 ) -> CalibrationReport:
     """Calibrate a freshly patched model in place on `batches` (tensors, (images, labels) or dicts).
@@ -131,9 +139,11 @@ def calibrate(
     inputs: "original" (teacher-forced: each layer sees the original model's input) or "converted" (each layer
     sees what the converted model, its earlier layers calibrated, feeds it; one more partial forward per layer).
     captures: the original model's per-layer captures when already taken (`capture_original_layers`).
+    progress: called after each calibrated layer as progress(done, total, path): layers done so far, layers to
+    calibrate in this pass, the path of the layer just done (a `grow_tokens` pass counts its rebuilt layers anew).
     """
     settings = CalibrationOptions(grow_tokens=grow_tokens, inputs=inputs, layer=options)
-    return run_calibration(model, batches, settings, captures)
+    return run_calibration(model, batches, settings, captures, progress)
 
 
 @torch.no_grad()
@@ -142,6 +152,7 @@ def run_calibration(
     batches: Iterable,
     options: CalibrationOptions,
     captures: dict[str, LayerCapture] | None = None,
+    progress: Progress | None = None,
 ) -> CalibrationReport:
     """`calibrate` with its keywords bundled: capture, calibrate every layer the target calibrates, grow."""
     state = get_patch_state(model)
@@ -154,13 +165,13 @@ def run_calibration(
         batches = list(batches)
         images = _model_images(model, batches)
     if captures is None:
-        captures = capture_original_layers(model, batches)
+        captures = capture_original_layers(model, batches, teachers=_calibrated_paths(model))
     was_training = model.training
     model.eval()
     try:
-        report = _calibrate_layers(model, captures, images, settings)
+        report = _calibrate_layers(model, captures, images, settings, progress)
         if options.grow_tokens is not None:
-            _grow_tokens(model, report, captures, options)
+            _grow_tokens(model, report, captures, options, progress)
     finally:
         model.train(was_training)
     return report
@@ -211,17 +222,42 @@ def _model_images(model: nn.Module, batches: list) -> list[torch.Tensor]:
         batch_images(b)) for b in batches]  # fmt: skip
 
 
+def _calibrated_paths(model: nn.Module) -> list[str]:
+    """The paths of the patched layers the target calibrates, in block order."""
+    config = get_patch_state(model).config
+    return [path for path, module in patched_modules(model).items() if config.calibrates(module)]
+
+
 def _calibrate_layers(
-    model: nn.Module, captures: dict[str, LayerCapture], images: list[torch.Tensor], settings: Any
+    model: nn.Module,
+    captures: dict[str, LayerCapture],
+    images: list[torch.Tensor],
+    settings: Any,
+    progress: Progress | None = None,
 ) -> CalibrationReport:
     """Every captured patched layer the target calibrates, in block order; the others keep their init."""
-    config = get_patch_state(model).config
+    paths = [path for path in _calibrated_paths(model) if path in captures]
     layers: list[LayerCalibration] = []
     steps = ["init"]
-    for path, module in patched_modules(model).items():
-        if path in captures and config.calibrates(module):
-            layers.append(_calibrate_layer(model, path, captures[path], images, settings, steps))
+    for done, path in enumerate(paths, 1):
+        layers.append(_calibrate_layer(model, path, captures[path], images, settings, steps))
+        if progress is not None:
+            progress(done, len(paths), path)
     return CalibrationReport(layers, steps)
+
+
+def _first_images(cap: LayerCapture, tokens: int) -> LayerCapture:
+    """`cap` cut to its first images holding about `tokens` tokens (at least one image): views, no copy."""
+    count = max(1, tokens // max(1, cap.inputs.shape[1]))
+    if count >= cap.inputs.shape[0]:
+        return cap
+    teacher = None if cap.teacher is None else cap.teacher[:count]
+    return LayerCapture(cap.inputs[:count], cap.outputs[:count], cap.layout, teacher)
+
+
+def _layer_error(module: nn.Module, cap: LayerCapture) -> float:
+    """Relative error of the layer's output on `cap.inputs` against the original's."""
+    return _relative_error(attention_output(module(cap.inputs, layout=cap.layout)), cap.outputs)
 
 
 def _calibrate_layer(
@@ -237,23 +273,34 @@ def _calibrate_layer(
     module = model.get_submodule(path)
     # Keep the tracker on this layer's layout too, for any call below that does not pass `layout=`.
     state.tracker.layout = cap.layout
-    with original_attention(model):
-        teacher, _ = projection_input(model.get_submodule(path), cap.inputs, None, proj=module.proj)
+    teacher = cap.teacher
+    if teacher is None:  # not recorded by the capture: run the original attention again
+        with original_attention(model):
+            teacher, _ = projection_input(model.get_submodule(path), cap.inputs, None, proj=module.proj)
     if images:  # from here on the layer runs on the converted model's input, against the original's output
-        cap = LayerCapture(_converted_inputs(model, path, images), cap.outputs, cap.layout)
+        cap = LayerCapture(_converted_inputs(model, path, images), cap.outputs, cap.layout, teacher)
     errors: dict[str, float] = {}
+    measured = _first_images(cap, MEASURE_TOKENS)
+    last: list[str] = []  # the step measured last, measured again on every image at the end
 
     def measure(step: str) -> None:
-        errors[step] = _relative_error(attention_output(module(cap.inputs, layout=cap.layout)), cap.outputs)
+        errors[step] = _layer_error(module, measured)
+        last[:] = [step]
         if step not in steps:
             steps.append(step)
 
     facts = state.config.calibrate_layer(module, cap, teacher, measure, settings)
+    if measured is not cap and last:  # the final state, on every image
+        errors[last[0]] = _layer_error(module, cap)
     return LayerCalibration(path, module.layer_index, facts["contrast_tokens"], errors, facts.get("temperature"))
 
 
 def _grow_tokens(
-    model: nn.Module, report: CalibrationReport, captures: dict[str, LayerCapture], options: CalibrationOptions
+    model: nn.Module,
+    report: CalibrationReport,
+    captures: dict[str, LayerCapture],
+    options: CalibrationOptions,
+    progress: Progress | None = None,
 ) -> None:
     """Rebuild the layers whose final error exceeds `grow_tokens` with the target's next token count and
     calibrate them again (teacher-forced, on the same captures); updates `report` in place."""
@@ -268,7 +315,7 @@ def _grow_tokens(
         return
     regrown = _repatch_with_tokens(model, grow)
     again = dataclasses.replace(options, grow_tokens=None, inputs="original")
-    sub = run_calibration(model, (), again, captures={p: captures[p] for p in regrown})
+    sub = run_calibration(model, (), again, captures={p: captures[p] for p in regrown}, progress=progress)
     by_path = {r.path: r for r in sub.layers}
     report.layers = [by_path.get(r.path, r) for r in layers]
     report.grown = grow

@@ -47,11 +47,13 @@ def original_attention(model: nn.Module) -> Iterator[nn.Module]:
 
 @dataclass
 class LayerCapture:
-    """One attention layer under the original model: its input, output and token layout."""
+    """One attention layer under the original model: its input, output and token layout; `teacher`, where it was
+    asked for, is the input of the layer's output projection in the same forward (what calibration fits against)."""
 
     inputs: torch.Tensor  # [B, N, C]
     outputs: torch.Tensor  # [B, N, C]
     layout: TokenLayout
+    teacher: torch.Tensor | None = None  # [B, N, attn_dim]
 
 
 def batch_images(batch) -> torch.Tensor:
@@ -85,24 +87,41 @@ def _run_batch(model: nn.Module, images: torch.Tensor, index: int) -> None:
         ) from exc
 
 
+def _teacher_hooks(projections: dict[str, nn.Module], teachers: dict[str, list[torch.Tensor]]) -> list:
+    """Forward pre-hooks that record the input of each layer's output projection (shared by the original and the
+    replacement layer) while the original attention runs."""
+    return [
+        proj.register_forward_pre_hook(lambda module, args, path=path: teachers[path].append(args[0].detach()))
+        for path, proj in projections.items()
+    ]
+
+
 @torch.no_grad()
-def capture_original_layers(model: nn.Module, batches: Iterable, device: torch.device | None = None) -> dict:
+def capture_original_layers(
+    model: nn.Module, batches: Iterable, device: torch.device | None = None, teachers: Iterable[str] = ()
+) -> dict:
     """Inputs/outputs of every patched layer when the model runs with its original attention.
 
     Returns {path: LayerCapture}, tensors concatenated over batches (on `device`, default the model's). Images
-    are moved there and cast to the model's parameter dtype.
+    are moved there and cast to the model's parameter dtype. For the paths in `teachers` the input of the layer's
+    output projection (`proj`, which the original shares) is recorded in the same forward, so that calibration
+    need not run the original attention (quadratic in the tokens) a second time; it stays None where the layer
+    has no such projection or the projection did not run once per layer call.
     """
     state = get_patch_state(model)
-    paths = list(patched_modules(model))
+    patched = patched_modules(model)
+    paths = list(patched)
     inputs: dict[str, list[torch.Tensor]] = {p: [] for p in paths}
     outputs: dict[str, list[torch.Tensor]] = {p: [] for p in paths}
+    projections = {p: patched[p].proj for p in teachers if isinstance(getattr(patched[p], "proj", None), nn.Module)}
+    recorded: dict[str, list[torch.Tensor]] = {p: [] for p in projections}
     layouts: dict[str, TokenLayout] = {}
     model_device, dtype = model_placement(model)
     device = device or model_device
     was_training = model.training
     model.eval()
     with original_attention(model):
-        handles = []
+        handles = _teacher_hooks(projections, recorded)
         for path in paths:
 
             def hook(module, args, kwargs, output, path=path):
@@ -122,4 +141,18 @@ def capture_original_layers(model: nn.Module, batches: Iterable, device: torch.d
     model.train(was_training)
     if not all(inputs.values()):
         raise ValueError("no calibration batches were given")
-    return {p: LayerCapture(torch.cat(inputs[p]), torch.cat(outputs[p]), layouts[p]) for p in paths}
+    return {p: LayerCapture(torch.cat(inputs[p]), torch.cat(outputs[p]), layouts[p], _teacher(recorded, inputs, p))
+            for p in paths}  # fmt: skip
+
+
+def _teacher(
+    recorded: dict[str, list[torch.Tensor]], inputs: dict[str, list[torch.Tensor]], path: str
+) -> torch.Tensor | None:
+    """The recorded projection inputs of `path`, concatenated; None where none were asked for or they do not pair
+    one to one with the layer's inputs (a projection called more or less often than the layer)."""
+    seen = recorded.get(path)
+    if not seen or len(seen) != len(inputs[path]):
+        return None
+    if any(t.shape[:-1] != x.shape[:-1] for t, x in zip(seen, inputs[path], strict=True)):
+        return None
+    return torch.cat(seen)
