@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from typer.testing import CliRunner
 from tests.support.paths import BENCHMARKS
 from tests.support.planner import RES, image_folder, synthetic_info, synthetic_measurements, tiny_dinov2
 from vca_patch import patch_model, unpatch_model
+from vca_patch.bench.timing import RatioInterval
 from vca_patch.cli.app import app
 from vca_patch.core.errors import ConfigError
 from vca_patch.planner import (
@@ -29,7 +32,7 @@ from vca_patch.planner import (
     save_plan,
 )
 from vca_patch.planner.costs import LatencyTable, measure_latency_table, plan_macs, token_counts
-from vca_patch.planner.planner import apply_plan
+from vca_patch.planner.planner import MIN_SAVING, apply_plan
 from vca_patch.planner.sensitivity import Loss
 from vca_patch.targets.merge import MergeConfig
 
@@ -69,26 +72,44 @@ def test_search_predicts_additively_and_chooses_the_best_plan_within_budget():
         assert max(f.score("both") for f in front if f.latency <= point.latency) >= point.score("both")
 
 
-def test_an_impossible_budget_names_the_closest_plan():
+def test_an_impossible_budget_names_the_fastest_plan_measured_else_predicted():
     info, table, sens = synthetic_measurements()
     cands = candidates(info, RES, table, sens, "cls")
-    fastest = min(c.latency for c in cands)
-    with pytest.raises(PlanError, match=rf"budget 0.10x: the fastest measured plan reaches {fastest:.2f}x"):
+    fastest = min(cands, key=lambda c: c.latency)
+    with pytest.raises(PlanError, match=rf"budget 0.10x: the fastest plan, {re.escape(fastest.describe())}, is "
+                       rf"predicted at {fastest.latency:.2f}x \(not timed\)"):  # fmt: skip
         choose(cands, 0.1, "cls")
+    # once plans are timed, the fastest *measured* one is named, with its measured ratio and interval
+    merge = next(c for c in cands if c.merging_only and any(c.schedule))
+    timed = [*cands, dataclasses.replace(merge, measured_latency=RatioInterval(0.52, 0.51, 0.53, 7))]
+    with pytest.raises(PlanError) as error:
+        choose(timed, 0.1, "cls", merge_fractions=(0.5, 2.0))
+    message = str(error.value)
+    assert f"the fastest measured plan, {merge.describe()}, runs 0.520x [0.510, 0.530]" in message
+    assert "lower resolution" in message and "smaller model" in message and "\n" not in message
+    assert "--merge-fractions" not in message  # the fractions already reach the largest merging there is
+    with pytest.raises(PlanError, match=r"merge more \(--merge-fractions up to 2\)"):
+        choose(timed, 0.1, "cls", merge_fractions=(0.5, 0.95))
     with pytest.raises(PlanError, match="positive latency ratio"):
         choose(cands, 0.0, "cls")
 
 
-def test_a_budget_below_the_original_where_nothing_is_faster_says_so():
+def test_nothing_is_faster_only_when_nothing_measured_is():
     slower = [
         Candidate([0, 0, 0, 0]),
         Candidate([0, 2, 2, 2], latency=1.04),
         Candidate([0, 0, 0, 0], {1: 4}, latency=1.2),
     ]
-    with pytest.raises(PlanError, match=r"reaches 1\.00x \(original.*no conversion is faster than the original"):
+    with pytest.raises(PlanError, match=r"original \(softmax everywhere\), is predicted at 1\.00x.*nothing is faster"):
         choose(slower, 0.8, "cls")
-    with pytest.raises(PlanError, match="--merge-fractions"):  # when something is faster, merging more may help
-        choose([*slower, Candidate([3, 3, 3, 3], latency=0.9)], 0.8, "cls")
+    # predicted slower, but measured faster than the original: never "nothing is faster"
+    slower[1] = dataclasses.replace(slower[1], measured_latency=RatioInterval(0.9, 0.88, 0.92, 6))
+    with pytest.raises(PlanError) as error:
+        choose(slower, 0.8, "cls")
+    assert "merge r=2 from block 1, runs 0.900x" in str(error.value) and "nothing is faster" not in str(error.value)
+    slower[1] = dataclasses.replace(slower[1], measured_latency=RatioInterval(1.1, 1.05, 1.2, 6))
+    with pytest.raises(PlanError, match=r"runs 1\.100x \[1\.050, 1\.200\].*nothing is faster than the original"):
+        choose(slower, 0.8, "cls")
 
 
 def test_plan_model_end_to_end_and_the_plan_file(tmp_path):
@@ -96,12 +117,17 @@ def test_plan_model_end_to_end_and_the_plan_file(tmp_path):
     images = torch.randn(3, 3, RES, RES)
     with torch.no_grad():
         reference = model.forward_features(images)
+    lines: list[str] = []
     result = plan_model(  # at 56 px merging costs more than it saves: a budget of 4x lets it be a finalist
         model, images, budget=4.0, resolution=RES, contrast_tokens=(4,), merge_starts=(0, 2), merge_fractions=(0.5,),
-        calibrate=False, repeats=3, min_time=0.05,  # steady medians: one sample read the original at 1.73x
+        calibrate=False, repeats=3, min_time=0.05, log=lines.append,
     )  # fmt: skip
     assert result.chosen.latency <= 4.0 * 1.05 and result.measured["latency_ratio"] > 0
-    assert set(result.sensitivity.merge) == {(0, 2), (2, 4)} and len(result.sensitivity.vca) == 4
+    assert set(result.sensitivity.merge) == {(0, 2), (2, 4)}
+    pays = result.table.paying("vca", MIN_SAVING) == [4]  # at 17 tokens VCA(4) rarely saves time
+    assert len(result.sensitivity.vca) == (4 if pays else 0)
+    assert pays or any("VCA n=4: a block takes" in line and "does not pay here" in line for line in lines)
+    assert set(result.timed.plans) >= {"merge r=2 from block 0"}  # an anchor: timed against the original first
     assert model_info(model).depth == 4 and not hasattr(model, "vca_patch_state")  # left as it came
     path = save_plan(tmp_path / "plan.json", result.config, result.details("tiny"))
     data = json.loads(path.read_text())
@@ -110,6 +136,9 @@ def test_plan_model_end_to_end_and_the_plan_file(tmp_path):
                              "tokens": tokens, "patch_tokens": tokens - result.info.num_prefix_tokens}  # fmt: skip
     assert result.finalist["latency_ratio"] > 0 and "cls_per_image" in result.finalist  # timed and scored
     assert data["finalist"]["cls_cosine"] == result.finalist["cls_cosine"] and "cls_per_image" not in data["finalist"]
+    interval = result.latency  # the chosen plan's timing, reused as its measured latency: timed once
+    assert interval.low <= result.measured["latency_ratio"] == interval.ratio <= interval.high
+    assert data["latency_interval"] == interval.to_dict() and data["timed"][result.chosen.describe()]["rounds"] >= 3
     config = load_plan(path)
     assert config == result.config and config.expect == {"depth": 4, "dim": 64, "num_heads": 4}
     assert config.unmerge == "residual"  # "auto" for the default objective (CLS and patch tokens)
@@ -132,6 +161,7 @@ def test_a_residual_unmerge_plan_and_bad_options_failing_first(monkeypatch):
         model, images, budget=10.0, resolution=RES, contrast_tokens=(), merge_starts=(0,), merge_fractions=(0.5,),
         mano_windows=(), calibrate=False, unmerge="residual", measure=False, repeats=1, min_time=0,
     )  # fmt: skip
+    assert result.chosen.measured_latency is not None or result.chosen.describe() == "original (softmax everywhere)"
     assert result.config.unmerge == "residual"
     for objective, unmerge, expected in [
         ("cls", "auto", "copy"),
@@ -311,15 +341,16 @@ def test_finalists_are_chosen_on_measured_latency_not_the_prediction(monkeypatch
     monkeypatch.setattr(planner_module, "plan_fidelity", fake_fidelity)
     images = torch.randn(2, 3, RES, RES)
     chosen, scores = choose_measured(model, info, cands, 0.8, "both", images)
-    assert chosen is cands[0] and scores["latency_ratio"] == 0.78
+    assert chosen.describe() == cands[0].describe() and scores["latency_ratio"] == 0.78
+    assert chosen.measured_latency == RatioInterval.exact(0.78)  # the choice carries its measured latency
     assert cands[3].describe() not in measured_names
     chosen, _ = choose_measured(model, info, cands, 0.8, "both", images, slack=0.0)
-    assert chosen is cands[2]  # without the slack the 0.82 plan is out; the 0.79 one measures over the budget
+    assert chosen.describe() == cands[2].describe()  # without the slack the 0.82 plan is out; 0.79 measures over
     ratios.update({c.describe(): 0.9 for c in cands})  # nothing measures within: the best predicted within is kept
     chosen, _ = choose_measured(model, info, cands, 0.8, "both", images)
-    assert chosen is cands[1]
-    with pytest.raises(PlanError, match=r"fastest finalist measured 0\.90x"):  # and none predicted within either
-        choose_measured(model, info, cands[:1], 0.8, "both", images)
+    assert chosen.describe() == cands[1].describe()
+    with pytest.raises(PlanError, match=r"fastest measured plan, merge r=3 from block 1, runs 0\.900x"):
+        choose_measured(model, info, cands[:1], 0.8, "both", images)  # and none predicted within either
     with pytest.raises(PlanError, match="slack"):
         choose_measured(model, info, cands, 0.8, "both", images, slack=-0.1)
 
@@ -352,16 +383,16 @@ def test_the_choice_is_the_best_measured_finalist_never_worse_than_merging_alone
     images = torch.randn(2, 3, RES, RES)
     chosen, scores = choose_measured(model, info, cands, 0.8, "both", images, top=2)
     assert sorted(calls) == sorted(measured)  # the two best predicted + the best merging-only plan; nothing over budget
-    assert chosen is cands[2] and scores["cls_cosine"] == 0.97
+    assert chosen.describe() == cands[2].describe() and scores["cls_cosine"] == 0.97
     chosen, _ = choose_measured(model, info, cands, 0.8, "both", images, top=1)
-    assert chosen is cands[2]  # the merging-only plan is always a finalist
+    assert chosen.describe() == cands[2].describe()  # the merging-only plan is always a finalist
     with pytest.raises(PlanError, match=r"budget 0\.50x"):
         choose_measured(model, info, cands, 0.5, "both", images)
     calls.clear()
     kept: dict = {}
     for budget in (0.8, 0.75):  # measurements kept across budgets: each plan is applied and measured once
         chosen, _ = choose_measured(model, info, cands, budget, "both", images, top=2, measured=kept)
-        assert chosen is cands[2]
+        assert chosen.describe() == cands[2].describe()
     assert sorted(calls) == sorted(measured) and sorted(kept) == sorted(measured)
 
 
@@ -393,7 +424,7 @@ def test_a_mixed_plan_must_beat_merging_alone_beyond_noise(monkeypatch, mixed, m
     lines: list[str] = []
     chosen, _ = choose_measured(model, model_info(model), cands, 0.8, "both", torch.randn(8, 3, RES, RES),
                                 log=lines.append)  # fmt: skip
-    assert chosen is cands[0 if wins == "vca" else 1]
+    assert chosen.describe() == cands[0 if wins == "vca" else 1].describe()
     assert any("within noise" in line for line in lines) == (wins == "merge")
 
 

@@ -19,6 +19,7 @@ from vca_patch.core.sizes import MAX_IMG_SIZE, check_bound
 from vca_patch.planner import PLAN_UNMERGE_MODES, PlanError, PlanResult, draw_front, plan_model, save_plan
 from vca_patch.planner.costs import token_counts
 from vca_patch.planner.images import image_files, load_images
+from vca_patch.planner.planner import DEFAULT_MERGE_FRACTIONS
 
 
 def _numbers(text: str, kind: type, name: str) -> list:
@@ -58,9 +59,10 @@ def summary_table(result: PlanResult) -> Table:
     table.add_row("predicted", f"{chosen.latency:.3f}", f"{chosen.cls:.4f}", f"{chosen.patch:.4f}", "")
     table.add_row("FLOP model", f"{chosen.macs_ratio:.3f}", "", "", "")
     finalist = result.finalist
+    timed = result.latency.describe() if result.latency is not None else None
     if finalist:  # what chose it: timed against the original, scored on the calibration crops kept for scoring
         table.add_row(
-            "as a finalist", f"{finalist['latency_ratio']:.3f}", f"{finalist['cls_cosine']:.4f}",
+            "as a finalist", timed or f"{finalist['latency_ratio']:.3f}", f"{finalist['cls_cosine']:.4f}",
             f"{finalist['patch_token_cosine']:.4f}", f"{finalist['mean_patch_cosine']:.4f}",
         )  # fmt: skip
     if measured:
@@ -72,8 +74,14 @@ def summary_table(result: PlanResult) -> Table:
 
 
 def over_budget_line(result: PlanResult) -> str | None:
-    """A warning when the chosen plan measured slower than the budget, else None."""
+    """A warning when the chosen plan measured slower than the budget, or its measured interval holds the budget;
+    else None."""
     if not result.over_budget:
+        if result.straddles_budget:
+            return (
+                f"Measured {result.latency.describe()}: the budget {result.budget:g}x lies inside this interval, so "
+                "on this machine the plan may run either side of it."
+            )
         return None
     return (
         f"Measured {result.measured['latency_ratio']:.3f}x is over the {result.budget:g}x budget (predicted "
@@ -112,8 +120,12 @@ class PlanArgs:
         ),
     ] = 0
     merge_fractions: Annotated[
-        str, typer.Option(help="Fractions of the patch tokens merging may remove, e.g. '0.3,0.5,0.7,0.85,0.95'")
-    ] = "0.3,0.5,0.7,0.85,0.95"
+        str,
+        typer.Option(
+            help="Fractions of the patch tokens merging may remove, in (0, 2]: r = fraction × patches / blocks "
+            "merged; above 1 merging is front-loaded (a merge takes at most half the tokens left)"
+        ),
+    ] = ",".join(f"{f:g}" for f in DEFAULT_MERGE_FRACTIONS)
     objective: Annotated[str, typer.Option(help="What to keep: cls, patch (dense) or both")] = "both"
     unmerge: Annotated[
         str,
@@ -125,7 +137,13 @@ class PlanArgs:
     calibrate: Annotated[bool, typer.Option(help="Calibrate the VCA candidates (training-free)")] = True
     pretrained: Annotated[bool, typer.Option(help="Start from pretrained Hub weights (--no-pretrained: random)")] = True
     weights: Annotated[Path | None, typer.Option(help="Local weights (.safetensors/.pth) for MODEL")] = None
-    repeats: Annotated[int, typer.Option(help="Timing rounds per measurement")] = 3
+    repeats: Annotated[
+        int,
+        typer.Option(
+            help="Timing rounds per measurement at least (more until each latency ratio's 90% interval is "
+            "within ±0.02 or clear of the budget)"
+        ),
+    ] = 3
     min_time: Annotated[
         float, typer.Option(help="Seconds each timing runs at least (more rounds for fast calls: steadier medians)")
     ] = 0.5

@@ -6,6 +6,7 @@ The token arithmetic, the per-block MAC counts and every config timed here come 
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vca_patch.bench.timing import median, time_interleaved
+from vca_patch.bench.timing import RatioInterval, median, time_interleaved
 from vca_patch.eval.final_tokens import final_tokens
 from vca_patch.layers.layout import TokenLayout
 from vca_patch.layers.macs import AttentionShape
@@ -58,6 +59,9 @@ def plan_macs(
     return total
 
 
+SAVING_PARTS = ("merge", "overhead", "vca", "mano")  # what a plan saves, by part (`LatencyTable.savings`)
+
+
 @dataclass
 class LatencyTable:
     """Measured batch-1 seconds: one softmax block at several token counts, one VCA block per n and one MANO block
@@ -74,6 +78,9 @@ class LatencyTable:
     mano_s: dict[int, float] = field(default_factory=dict)
     merge_overhead_s: list[float] = field(default_factory=list)
     local_window: int = 0
+    # {part: k} (`SAVING_PARTS`): what whole-model timings showed each part's predicted saving to be worth
+    # (`fit_scales`); empty: the block timings as measured
+    scales: dict[str, float] = field(default_factory=dict)
 
     def block_s(
         self, tokens: int, contrast_tokens: int | None = None, window: int | None = None, merges: bool = False
@@ -95,12 +102,49 @@ class LatencyTable:
         vca_layers: dict[int, int],
         mano_layers: dict[int, int] | None = None,
     ) -> float:
-        """Predicted latency of a plan over the original's."""
+        """Predicted latency of a plan over the original's: from the block timings, or once calibrated (`scales`)
+        1 minus each part's predicted saving times its scale (the original itself is then exactly 1)."""
+        if self.scales:
+            saved = self.savings(info, resolution, schedule, vca_layers, mano_layers)
+            return 1.0 - sum(self.scales.get(kind, 1.0) * seconds for kind, seconds in saved.items()) / self.original_s
         counts = token_counts(info, resolution, schedule)
         mano_layers = mano_layers or {}
         merges = [i < len(schedule) and schedule[i] > 0 for i in range(len(counts))]
         blocks = sum(self.block_s(t, vca_layers.get(i), mano_layers.get(i), merges[i]) for i, t in enumerate(counts))
         return (self.other_s + blocks) / self.original_s
+
+    def savings(
+        self,
+        info: ModelInfo,
+        resolution: int,
+        schedule: Sequence[int],
+        vca_layers: dict[int, int],
+        mano_layers: dict[int, int] | None = None,
+    ) -> dict[str, float]:
+        """Seconds a plan saves over softmax blocks at the full grid, by part: each VCA and MANO block's ("vca",
+        "mano"), fewer tokens in the other blocks ("merge"), and the merging blocks' matching overhead ("overhead",
+        negative: a cost)."""
+        full = self.block_s(info.tokens(resolution))
+        mano_layers = mano_layers or {}
+        saved = dict.fromkeys(SAVING_PARTS, 0.0)
+        for i, tokens in enumerate(token_counts(info, resolution, schedule)):
+            if i in vca_layers:
+                saved["vca"] += full - self.vca_s[vca_layers[i]]
+            elif i in mano_layers:
+                saved["mano"] += full - self.mano_s[mano_layers[i]]
+            else:
+                saved["merge"] += full - self.block_s(tokens)
+                if i < len(schedule) and schedule[i] > 0:
+                    saved["overhead"] += self.block_s(tokens) - self.block_s(tokens, merges=True)
+        return saved
+
+    def paying(self, kind: str, min_saving: float = 0.03) -> list[int]:
+        """The measured VCA n ("vca") or MANO k ("mano") whose block takes at least `min_saving` (a fraction)
+        less than a softmax block at the full grid: the others cannot buy a plan any time (VCA and MANO blocks
+        come before the first merge, on the full grid)."""
+        full = self.softmax_s[int(np.argmax(self.softmax_tokens))]
+        timed = {"vca": self.vca_s, "mano": self.mano_s}[kind]
+        return sorted(value for value, seconds in timed.items() if seconds < (1 - min_saving) * full)
 
     def faster_mano_windows(self) -> list[int]:
         """The measured MANO windows whose block beats a softmax block at the full grid. MANO blocks come before the
@@ -117,7 +161,51 @@ class LatencyTable:
             "vca_local_window": self.local_window,
             "mano_block_ms": {k: 1e3 * s for k, s in self.mano_s.items()},
             "merge_overhead_ms": {t: 1e3 * s for t, s in zip(self.softmax_tokens, self.merge_overhead_s, strict=False)},
+            "saving_scales": dict(self.scales),
         }
+
+
+PlanShape = tuple[Sequence[int], dict[int, int], dict[int, int]]  # (schedule, VCA blocks, MANO blocks)
+SCALE_SPREAD = 0.5  # a scale's prior: 1 ± this (the block timings are about right unless timings say otherwise)
+NOISE_FLOOR = 0.01  # a whole-model timing counts as at least this uncertain (a ratio's half-interval)
+MAX_SCALE = 5.0
+
+
+def fit_scales(
+    table: LatencyTable, info: ModelInfo, resolution: int, timed: Sequence[tuple[PlanShape, RatioInterval | float]]
+) -> dict[str, float]:
+    """{part: k in [0, MAX_SCALE]} (`SAVING_PARTS`) such that 1 − measured ≈ Σ k · (the part's predicted saving) /
+    original over `timed` ((plan, measured ratio) pairs; a plain float is exact): least squares, each timing
+    weighted by its interval (a noisy one counts less) and each k pulled toward 1 (± SCALE_SPREAD), so a part no
+    timing pins down keeps its block timing. Block timings alone misjudge whole models (on DINOv2-S at 518 px on a
+    loaded 2-core machine they predicted 0.88x for a merge plan that measured 0.52x, and on a busier one that
+    nothing was faster than the original); merging's two parts, fewer tokens and the matching's overhead, get a
+    scale each, so two merge plans timed fix even an overhead timed too large to leave any saving."""
+    rows, targets = [], []
+    for plan, value in timed:
+        interval = value if isinstance(value, RatioInterval) else RatioInterval.exact(float(value))
+        noise = max((interval.high - interval.low) / 2, NOISE_FLOOR)
+        saved = table.savings(info, resolution, *plan)
+        rows.append([saved[part] / table.original_s / noise for part in SAVING_PARTS])
+        targets.append((1.0 - interval.ratio) / noise)
+    prior = np.eye(len(SAVING_PARTS)) / SCALE_SPREAD
+    a = np.vstack([np.array(rows).reshape(-1, len(SAVING_PARTS)), prior])
+    b = np.concatenate([np.array(targets), prior @ np.ones(len(SAVING_PARTS))])
+    return {part: float(k) for part, k in zip(SAVING_PARTS, _bounded_least_squares(a, b, MAX_SCALE), strict=True)}
+
+
+def _bounded_least_squares(a: np.ndarray, b: np.ndarray, high: float) -> np.ndarray:
+    """argmin ‖a·x − b‖ over 0 <= x <= high, by trying each variable free, at 0 or at `high` (a handful here)."""
+    best, best_error = None, float("inf")
+    for bounds in itertools.product((None, 0.0, high), repeat=a.shape[1]):
+        x = np.array([0.0 if bound is None else bound for bound in bounds])
+        free = [i for i, bound in enumerate(bounds) if bound is None]
+        if free:
+            x[free] = np.linalg.lstsq(a[:, free], b - a @ x, rcond=None)[0]
+        error = float(np.sum((a @ x - b) ** 2))
+        if x.min() >= -1e-12 and x.max() <= high + 1e-12 and error < best_error:
+            best, best_error = x, error
+    return np.clip(best, 0.0, high)
 
 
 @torch.no_grad()
@@ -135,7 +223,9 @@ def measure_latency_table(
 ) -> LatencyTable:
     """Time the original model, its first block at a few token counts (softmax, and merging one token with
     `unmerge`: the matching's overhead) and that block as VCA(n) (with a local term of `local_window` when > 0) and
-    as MANO(k) at the full grid; each `repeats` times at least, and until it has `min_time` seconds timed."""
+    as MANO(k) at the full grid; `repeats` rounds (3 at least; `min_time` adds none beyond: every fn runs each
+    round, and `min_time` of a 1 ms block would take hundreds of rounds of the whole model). The table gives the
+    latency model its shape; whole-model timings correct its level (`latency.TimedPlans.fitted`)."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     full = info.tokens(resolution)
@@ -174,7 +264,7 @@ def measure_latency_table(
                     return b(x)
 
             fns[key] = run
-    times = time_interleaved(fns, device, warmup=1, repeats=repeats, min_time=min_time)
+    times = time_interleaved(fns, device, warmup=1, repeats=repeats, min_time=min_time, max_rounds=max(repeats, 3))
     seconds = {name: median(samples) for name, samples in times.items()}
     softmax = [seconds[f"softmax:{t}"] for t in counts]
     other = max(0.0, seconds["original"] - info.depth * softmax[-1])

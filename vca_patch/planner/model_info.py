@@ -96,8 +96,11 @@ def block_inputs(model: nn.Module, info: ModelInfo, images: torch.Tensor) -> lis
 
 
 @torch.no_grad()
-def run_from(model: nn.Module, info: ModelInfo, start: int, hidden: torch.Tensor, resolution: int) -> torch.Tensor:
-    """Final normed tokens from the hidden state entering block `start` (blocks start.., then the final norm)."""
+def run_blocks(
+    model: nn.Module, info: ModelInfo, start: int, stop: int, hidden: torch.Tensor, resolution: int
+) -> torch.Tensor:
+    """The hidden state leaving block `stop` - 1 from `hidden` entering block `start` (blocks start..stop-1, inside
+    the model's token-layout scope when it is patched)."""
     from vca_patch.layers.layout import TokenLayout
     from vca_patch.surgery import get_patch_state
 
@@ -105,6 +108,13 @@ def run_from(model: nn.Module, info: ModelInfo, start: int, hidden: torch.Tensor
     scope = state.tracker.scope(TokenLayout(info.num_prefix_tokens, info.grid(resolution))) if state else nullcontext()
     with scope:
         x = hidden
-        for block in info.blocks(model)[start:]:
+        for block in info.blocks(model)[start:stop]:
             x = block(x)
-        return model.get_submodule(info.norm_path)(x)
+        return x
+
+
+@torch.no_grad()
+def run_from(model: nn.Module, info: ModelInfo, start: int, hidden: torch.Tensor, resolution: int) -> torch.Tensor:
+    """Final normed tokens from the hidden state entering block `start` (blocks start.., then the final norm)."""
+    x = run_blocks(model, info, start, info.depth, hidden, resolution)
+    return model.get_submodule(info.norm_path)(x)

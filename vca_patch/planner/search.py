@@ -12,14 +12,16 @@ over (predicted latency ratio, predicted objective).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from vca_patch.bench.timing import RatioInterval
 from vca_patch.planner.costs import LatencyTable, plan_macs
 from vca_patch.planner.model_info import ModelInfo, PlanError
 from vca_patch.planner.sensitivity import Sensitivity
 from vca_patch.targets.base import plan_space
 
 OBJECTIVES = ("cls", "patch", "both")
+MAX_MERGE_FRACTION = 2.0  # merge fractions the planner takes: (0, 2] (above 1: merging front-loaded, `merge_rates`)
 
 
 @dataclass
@@ -32,6 +34,11 @@ class Candidate:
     cls: float = 1.0  # predicted CLS cosine
     patch: float = 1.0  # predicted mean patch-token cosine
     local_window: int = field(default=0, kw_only=True)  # the VCA blocks' local term (0: none)
+    measured_latency: RatioInterval | None = field(default=None, kw_only=True)  # timed against the original
+
+    def with_latency(self, table: LatencyTable, info: ModelInfo, resolution: int) -> Candidate:
+        """This plan with its latency predicted by `table` (e.g. once its block timings are calibrated)."""
+        return replace(self, latency=table.ratio(info, resolution, self.schedule, self.vca_layers, self.mano_layers))
 
     def score(self, objective: str) -> float:
         return {"cls": self.cls, "patch": self.patch, "both": 0.5 * (self.cls + self.patch)}[objective]
@@ -39,6 +46,11 @@ class Candidate:
     @property
     def merging_only(self) -> bool:
         return not self.vca_layers and not self.mano_layers
+
+    @property
+    def hybrid(self) -> bool:
+        """Merging from some block on, with VCA or MANO blocks before it."""
+        return any(self.schedule) and not self.merging_only
 
     @property
     def blocks(self) -> dict[str, dict[int, int]]:
@@ -68,6 +80,7 @@ class Candidate:
             "predicted_cls_cosine": self.cls,
             "predicted_patch_cosine": self.patch,
             "plan": self.describe(),
+            "measured_latency": None if self.measured_latency is None else self.measured_latency.to_dict(),
         }
 
 
@@ -159,22 +172,62 @@ def pareto(cands: Sequence[Candidate], objective: str) -> list[Candidate]:
     return front
 
 
-def choose(cands: Sequence[Candidate], budget: float, objective: str) -> Candidate:
-    """The best predicted objective within `budget` (latency ratio); PlanError naming the closest plan if none fits."""
+def reach_advice(fastest: float, merge_fractions: Sequence[float] = ()) -> str:
+    """What to do when no plan meets a budget, given the fastest plan's ratio: keep the original when nothing is
+    faster than it, else what reaches further (more merging while the fractions allow it, a lower resolution, a
+    smaller model)."""
+    if fastest >= 1.0:
+        return (
+            "nothing is faster than the original at this size (too few tokens for VCA, MANO or merging to pay for "
+            "themselves): keep the original, or plan for a larger resolution"
+        )
+    if max(merge_fractions, default=0.0) < MAX_MERGE_FRACTION:
+        return (
+            f"raise the budget; to go further, merge more (--merge-fractions up to {MAX_MERGE_FRACTION:g}), plan "
+            "at a lower resolution, or use a smaller model"
+        )
+    return "raise the budget; to go further, plan at a lower resolution or use a smaller model"
+
+
+def fastest_line(cands: Sequence[Candidate]) -> tuple[str, float]:
+    """("the fastest measured plan, <plan>, runs <ratio and interval>", ratio) over the candidates timed against
+    the original; the fastest predicted, said to be a prediction, when none was timed."""
+    timed = [c for c in cands if c.measured_latency is not None]
+    if timed:
+        fastest = min(timed, key=lambda c: c.measured_latency.ratio)
+        return (
+            f"the fastest measured plan, {fastest.describe()}, runs {fastest.measured_latency.describe()} the "
+            "original's latency",
+            fastest.measured_latency.ratio,
+        )
+    if not cands:
+        return "no plan was searched", 1.0
+    fastest = min(cands, key=lambda c: c.latency)
+    return (
+        f"the fastest plan, {fastest.describe()}, is predicted at {fastest.latency:.2f}x (not timed)",
+        fastest.latency,
+    )
+
+
+def choose(
+    cands: Sequence[Candidate], budget: float, objective: str, merge_fractions: Sequence[float] = ()
+) -> Candidate:
+    """The best predicted objective within `budget` (latency ratio); PlanError if none fits, in one line: the
+    fastest measured plan with its measured ratio (`Candidate.measured_latency`; the fastest predicted when none
+    was timed) and what would reach further (`reach_advice`; `merge_fractions`: those searched)."""
     if not budget > 0:
         raise PlanError(f"budget must be a positive latency ratio (e.g. 0.5 = half the original's), got {budget!r}")
     fitting = [c for c in cands if c.latency <= budget]
     if not fitting:
-        fastest = min(cands, key=lambda c: c.latency)
-        if fastest.latency >= 1.0:  # every conversion costs more than it saves at this token count
-            advice = (
-                "at this resolution no conversion is faster than the original on this machine (too few tokens for "
-                "VCA, MANO or merging to pay for their overhead): keep the original, or plan for a larger resolution"
-            )
-        else:
-            advice = "raise the budget, or let the planner merge more (--merge-fractions up to 0.95)"
-        raise PlanError(
-            f"no plan meets the latency budget {budget:.2f}x: the fastest measured plan reaches "
-            f"{fastest.latency:.2f}x ({fastest.describe()}, predicted CLS cosine {fastest.cls:.3f}); {advice}"
-        )
+        raise no_plan_error(budget, cands, merge_fractions)
     return max(fitting, key=lambda c: (c.score(objective), -c.latency))
+
+
+def no_plan_error(budget: float, cands: Sequence[Candidate], merge_fractions: Sequence[float] = ()) -> PlanError:
+    """PlanError, one line: no plan meets `budget`, the fastest measured plan and its ratio (`fastest_line`), and
+    what would reach further (`reach_advice`)."""
+    line, ratio = fastest_line(cands)
+    timed = [c.measured_latency for c in cands if c.measured_latency is not None]
+    if timed and min(timed, key=lambda t: t.ratio).straddles(budget):
+        line += " (its interval holds the budget: on a quieter machine it may fit)"
+    return PlanError(f"no plan meets the latency budget {budget:.2f}x: {line}; {reach_advice(ratio, merge_fractions)}")

@@ -12,6 +12,7 @@ come from the plan space (`targets.base.plan_space()`): its block kinds and merg
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,11 +21,11 @@ from torch import nn
 
 from vca_patch.eval.final_tokens import fidelity
 from vca_patch.planner.images import split_for_measurement
-from vca_patch.planner.model_info import ModelInfo, block_inputs, run_from
+from vca_patch.planner.model_info import ModelInfo, block_inputs, run_blocks, run_from
 from vca_patch.recovery.calibrate import calibrate as calibrate_model
 from vca_patch.recovery.capture import capture_original_layers
-from vca_patch.surgery import get_patch_state, patch_model, unpatch_model
-from vca_patch.targets.base import BlockKind, TargetConfig, plan_space
+from vca_patch.surgery import patch_model, unpatch_model
+from vca_patch.targets.base import TargetConfig, plan_space
 
 
 @dataclass
@@ -66,10 +67,22 @@ def _loss(reference: torch.Tensor, candidate: torch.Tensor) -> Loss:
 
 
 def merge_rates(info: ModelInfo, resolution: int, start: int, fractions: Sequence[float]) -> list[int]:
-    """r per block that merges about `fraction` of the patch tokens away over blocks start..depth-1."""
+    """r per block that merges about `fraction` of the patch tokens away over blocks start..depth-1.
+
+    A fraction f asks for r = f · patches / (blocks from `start` on). One merge takes at most half the patch tokens
+    left (ToMe's bipartite matching), so the last blocks of a large r take what is left: a fraction above 1 merges
+    more in the early blocks and leaves fewer tokens sooner, which is what reaches the fastest plans (DINOv2-S at
+    518 px from block 0: 1.0 is r = 114, 1.2 is r = 137)."""
     patches = info.tokens(resolution) - info.num_prefix_tokens
     blocks = info.depth - start
     return sorted({max(1, round(f * patches / blocks)) for f in fractions})
+
+
+def merge_schedules(
+    info: ModelInfo, resolution: int, starts: Sequence[int], fractions: Sequence[float]
+) -> list[tuple[int, int]]:
+    """Every (start, r) of `merge_rates` for each start."""
+    return [(start, r) for start in starts for r in merge_rates(info, resolution, start, fractions)]
 
 
 @torch.no_grad()
@@ -86,60 +99,69 @@ def measure_sensitivity(
     calibrate: bool = True,
     unmerge: str = "copy",
     local_window: int = 0,
+    merges: Sequence[tuple[int, int]] | None = None,
+    blocks: Sequence[int] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> Sensitivity:
     """Measure every candidate alone; the model is left unpatched as it came. With calibration, VCA blocks are
     calibrated on every other image and every candidate is scored on the rest (`split_for_measurement`). Merging
-    is measured with `unmerge` (the plan space's), as the plan will apply it."""
+    is measured with `unmerge` (the plan space's), as the plan will apply it. `merges`: the (start, r) to measure
+    (default: `merge_schedules` of the starts and fractions); `blocks`: where VCA and MANO are measured (default:
+    every block), e.g. only those a plan within the budget could convert."""
     log = log or (lambda message: None)
     space = plan_space()
     fit, images = split_for_measurement(images, calibrate)
     states = block_inputs(model, info, images)
     reference = model.get_submodule(info.norm_path)(states[-1])
     result = Sensitivity(local_window=local_window)
-
-    def loss_of(config: TargetConfig, start: int, calibrate_block: Callable[[int], None] | None = None) -> Loss:
-        """The loss of `config` run from block `start` (calibrated there first with `calibrate_block`, when given);
-        the model is unpatched after."""
-        patch_model(model, config)
-        try:
-            if calibrate_block is not None:
-                calibrate_block(start)
-            return _loss(reference, run_from(model, info, start, states[start], resolution))
-        finally:
-            unpatch_model(model)
-
-    for start in merge_starts:
-        for r in merge_rates(info, resolution, start, merge_fractions):
-            schedule = [0] * start + [r] * (info.depth - start)
-            result.merge[(start, r)] = loss_of(space.schedule_config(schedule, unmerge=unmerge), start)
+    merges = merge_schedules(info, resolution, merge_starts, merge_fractions) if merges is None else merges
+    for start, r in merges:
+        config = space.schedule_config([0] * start + [r] * (info.depth - start), unmerge=unmerge)
+        result.merge[(start, r)] = _merge_loss(model, info, resolution, config, start, states, reference)
+    for start in sorted({j for j, _ in result.merge}):
         done = [(r, round(1 - loss.cls, 4)) for (j, r), loss in result.merge.items() if j == start]
         log(f"  merging from block {start}: (r, CLS cosine) {done}")
-    kinds = ((space.kind("vca"), contrast_tokens, local_window), (space.kind("mano"), mano_windows, 0))
-    for kind, values, window in kinds:
-        fits = _calibration(model, kind, values[0], fit) if calibrate and kind.calibrates and values else None
-        settings = {"calibrate": calibrate if kind.calibrates else None, "local_window": window}
-        for value in values:
-            for block in range(info.depth):
-                result.of(kind.name)[(block, value)] = loss_of(kind.config(value, [block], **settings), block, fits)
-            alone = [round(1 - result.of(kind.name)[(b, value)].cls, 4) for b in range(info.depth)]
+    blocks = list(range(info.depth) if blocks is None else blocks)
+    for kind, values, window in ((space.kind("vca"), contrast_tokens, local_window),
+                                 (space.kind("mano"), mano_windows, 0)):  # fmt: skip
+        for value in values if blocks else ():
+            config = kind.config(value, blocks, calibrate=calibrate if kind.calibrates else None, local_window=window)
+            twin = _converted(model, config, fit if calibrate else None)
+            for block in blocks:
+                hidden = run_blocks(twin, info, block, block + 1, states[block], resolution)
+                loss = _loss(reference, run_from(model, info, block + 1, hidden, resolution))
+                result.of(kind.name)[(block, value)] = loss
+            alone = [round(1 - result.of(kind.name)[(b, value)].cls, 4) for b in blocks]
             local = f" + local {window}x{window}" if window else ""
-            log(f"  {kind.label} {kind.symbol}={value}{local}: CLS cosine alone per block {alone}")
+            log(f"  {kind.label} {kind.symbol}={value}{local}: CLS cosine alone in blocks {blocks}: {alone}")
     return result
 
 
-def _calibration(model: nn.Module, kind: BlockKind, value: int, fit: torch.Tensor) -> Callable[[int], None]:
-    """`calibrate(block)`: calibrates that block of the model (patched with `kind` there) on `fit`, from the
-    original layers' inputs and outputs captured once here for every block (with `kind` at `value` everywhere)."""
-    patch_model(model, kind.config(value, None, calibrate=True, local_window=0))
+def _merge_loss(
+    model: nn.Module,
+    info: ModelInfo,
+    resolution: int,
+    config: TargetConfig,
+    start: int,
+    states: list[torch.Tensor],
+    reference: torch.Tensor,
+) -> Loss:
+    """The loss of a merge schedule starting at block `start`, run from the original's state entering it; the
+    model is unpatched after."""
+    patch_model(model, config)
     try:
-        paths = {site.layer_index: site.path for site in get_patch_state(model).report.patched}
-        captures = capture_original_layers(model, [fit])
+        return _loss(reference, run_from(model, info, start, states[start], resolution))
     finally:
         unpatch_model(model)
 
-    def calibrate(block: int) -> None:
-        with torch.enable_grad():
-            calibrate_model(model, [fit], captures={paths[block]: captures[paths[block]]})
 
-    return calibrate
+def _converted(model: nn.Module, config: TargetConfig, fit: torch.Tensor | None) -> nn.Module:
+    """A copy of `model` with `config`'s blocks converted and, given `fit` images and a kind that calibrates, each
+    calibrated teacher-forced on them (from the original's inputs to that block: what calibrating it alone does).
+    One copy per setting, its blocks then run one at a time between the original's, instead of one patch and one
+    calibration per block (each patch verifies every layer: ~40 s of the old planner's 12 minutes)."""
+    twin = copy.deepcopy(model)
+    patch_model(twin, config)
+    if fit is not None and any(config.calibrates(module) for module in twin.modules()):
+        calibrate_model(twin, [fit], captures=capture_original_layers(twin, [fit]))
+    return twin
