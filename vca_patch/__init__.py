@@ -8,6 +8,7 @@ from vca_patch.formats.llava_sp import load_spatial_tokens, save_spatial_tokens 
 from vca_patch.hub import from_pretrained, push_to_hub
 from vca_patch.layers.layout import TokenLayout
 from vca_patch.planner import load_plan
+from vca_patch.planner.speedup import SpeedupReport, make_faster
 from vca_patch.recovery import calibrate
 from vca_patch.surgery import NothingToPatchError, PatchError, PatchReport, patch_model, unpatch_model
 from vca_patch.targets.base import TargetConfig
@@ -35,6 +36,7 @@ __all__ = [
     "PatchError",
     "PatchReport",
     "SpatialTokensConfig",
+    "SpeedupReport",
     "TargetConfig",
     "TokenLayout",
     "VCAConfig",
@@ -47,6 +49,7 @@ __all__ = [
     "image_token_count",
     "load_plan",
     "load_spatial_tokens",
+    "make_faster",
     "patch_model",
     "push_to_hub",
     "remove_spatial_tokens",

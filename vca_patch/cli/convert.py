@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -11,6 +12,7 @@ import typer
 
 from vca_patch.checkpoint import save_pretrained
 from vca_patch.checkpoint.folder import CARD_NAME, CONFIG_NAME, FORMS
+from vca_patch.cli import convert_budget as budget
 from vca_patch.cli.common import (
     DEVICE_HELP,
     DTYPE_HELP,
@@ -40,18 +42,21 @@ from vca_patch.cli.target_options import (
     split_options,
     target_config,
     target_names,
+    target_options,
     typer_command,
 )
 from vca_patch.core.atomic import check_output_dir, foreign_entries
 from vca_patch.core.errors import ConfigError
 from vca_patch.core.lock import output_lock
-from vca_patch.core.model_io import compare_outputs, probe_batch
+from vca_patch.core.model_io import compare_outputs, model_input_size, probe_batch
 from vca_patch.core.paths import check_output
 from vca_patch.families.diffusers import probe as dfp
 from vca_patch.families.diffusers import source as dfs
 from vca_patch.surgery import get_patch_state, patch_model
 from vca_patch.targets.base import CONFIG_TYPES, TargetConfig
 
+DEFAULT_TARGET = "vca"
+CALIBRATION_IMAGES = 256  # without --budget (with it: convert_budget.PLAN_IMAGES)
 LLAVA_SP = "llava-sp"  # not a registered target: its own command path, `_convert_llava_sp`
 CHECKPOINT_FILES = (CONFIG_NAME, CARD_NAME, *FORMS.values())  # what a checkpoint folder holds
 
@@ -81,7 +86,7 @@ class ConvertArgs:
     include: Annotated[str | None, typer.Option(help="Regex: convert only matching module paths")] = None
     exclude: Annotated[str | None, typer.Option(help="Regex: never convert matching module paths")] = None
     strict: Annotated[bool, typer.Option("--strict", help="Refuse approximate or unverified conversions")] = False
-    to: Annotated[str, typer.Option("--to", help=f"Target: {target_names((LLAVA_SP,))}")] = "vca"
+    to: Annotated[str | None, typer.Option("--to", help=f"Target: {target_names((LLAVA_SP,))} (default: vca)")] = None
     probe_size: Annotated[int, typer.Option(help="Images in the probe batch that measures the change")] = 4
     seed: Annotated[
         int, typer.Option(help="Seed of random base weights, of the init's random parts and of the probe batch")
@@ -96,7 +101,9 @@ class ConvertArgs:
     calibration_kind: Annotated[
         str | None, typer.Option(help="fashion_mnist, imagefolder or hf (default: from --calibration-data)")
     ] = None
-    calibration_images: Annotated[int, typer.Option(help="Images used to calibrate, and to measure")] = 256
+    calibration_images: Annotated[
+        int | None, typer.Option(help="Images used to calibrate, and to measure (default: 256; --budget: 8)")
+    ] = None
     skip_bad_images: Annotated[bool, typer.Option("--skip-bad-images", help=SKIP_HELP)] = False
     split: Annotated[
         str, typer.Option(help="--calibration-data split to calibrate on (ImageFolder: its sub-folder; flat: 4 in 5)")
@@ -120,15 +127,51 @@ class ConvertArgs:
     packed: Annotated[
         bool, typer.Option("--packed", help="DIDB: save the binarised Linears as packed sign bits + scales (~1/32)")
     ] = False
+    budget: Annotated[
+        float | None,
+        typer.Option(
+            help="Plan per block (softmax, VCA, MANO, token merging) to run within this ratio of the original's "
+            "batch-1 CPU latency at --resolution, convert, calibrate, measure on held-out images and save "
+            "(needs --calibration-data; e.g. 0.6). --contrast-tokens N: try VCA(N) only (0: no VCA blocks); "
+            "--to vca: VCA blocks only"
+        ),
+    ] = None
+    resolution: Annotated[
+        int | None,
+        typer.Option(help="--budget: input size in pixels to plan for (default: --img-size, else the model's own)"),
+    ] = None
+    eval_data: Annotated[
+        Path | None,
+        typer.Option(help="--budget: images kept apart to measure on (default: every 5th of --calibration-data)"),
+    ] = None
+    recipe: Annotated[
+        Path | None, typer.Option(help="--budget: a recovery recipe to run next (the command is printed)")
+    ] = None
+    merge_fractions: Annotated[
+        str | None, typer.Option(help="--budget: fractions of the patch tokens merging may remove (default 0.3-0.95)")
+    ] = None
+    mano_windows: Annotated[
+        str | None, typer.Option(help="--budget: MANO window sides k to try, e.g. '7' ('none': no MANO blocks)")
+    ] = None
+    repeats: Annotated[int, typer.Option(help="--budget: timing rounds per measurement")] = 3
+    min_time: Annotated[float, typer.Option(help="--budget: seconds each timing runs at least")] = 0.5
 
 
 @typer_command(ConvertArgs)
 def convert(**options: Any) -> None:
     """Convert MODEL's softmax attention to VCA (or another target with --to) and save it to --output.
 
+    With --budget B, plan per block (softmax, VCA, MANO, token merging) to run within B x the original's latency at
+    --resolution, convert, calibrate on --calibration-data, and measure on images kept apart (--eval-data).
     With --to llava-sp, MODEL is a transformers LLaVA (folder or Hub id) and gets LLaVA-SP's spatial tokens.
     """
     args, target_values = split_options(ConvertArgs, options)
+    if args.budget is not None:
+        _convert_with_budget(args, target_values)
+        return
+    budget.refuse_without_budget(args, _defaults())
+    args.to = args.to or DEFAULT_TARGET
+    args.calibration_images = CALIBRATION_IMAGES if args.calibration_images is None else args.calibration_images
     if args.to == LLAVA_SP:
         _convert_llava_sp(args, target_values)
         return
@@ -137,7 +180,64 @@ def convert(**options: Any) -> None:
     net, base_weights = _build_base(args)
     config = fit_default_contrast_tokens(net, config)
     _check_sizes(args, net, config)
+    if args.plan is None:
+        _note_if_vca_cannot_pay(args, net)
     _patch_measure_save(args, net, config, base_weights)
+
+
+def _defaults() -> dict[str, Any]:
+    """Every option's default by parameter name: convert's own and the targets'."""
+    own = {f.name: f.default for f in dataclasses.fields(ConvertArgs)}
+    return own | {option.param: option.default for option in target_options()}
+
+
+def _convert_with_budget(args: ConvertArgs, target_values: dict[str, Any]) -> None:
+    """`convert --budget`: the planner chooses per block within the budget (`make_faster`), then the model is
+    saved with its plan and measured latency and fidelity; every refusal comes before any work."""
+    defaults = _defaults()
+    search = budget.search_options(args, target_values, defaults)
+    if args.resolution is not None and args.img_size is not None and args.resolution != args.img_size:
+        raise ConfigError(f"--resolution {args.resolution} and --img-size {args.img_size} differ; pass one")
+    args.img_size, args.device = args.img_size or args.resolution, "cpu"
+    if args.recipe is not None:
+        from vca_patch.train import load_recipe
+
+        load_recipe(args.recipe)  # a bad recipe is refused now, not after the planning
+    _check_output(args)
+    _check_inputs(args)
+    split = budget.image_split(args)
+    net, base_weights = _build_base(args)
+    resolution = args.img_size or model_input_size(net)[-1]
+    budget.check_vca_pays(args, net, resolution, search)
+    report = budget.run(args, net, split, resolution, search)
+    metadata = {"base_weights": base_weights, "model_name": args.model, "dtype": args.dtype,
+                "speedup": report.metrics()}  # fmt: skip
+    with console.status(f"Saving to {args.output}..."):
+        save_pretrained(net, args.output, overwrite=args.force, metadata=metadata)
+    budget.show(args, report)
+
+
+def _note_if_vca_cannot_pay(args: ConvertArgs, net: torch.nn.Module) -> None:
+    """One line when VCA converts a single-grid model at a size where it is slower than softmax attention (the
+    conversion goes on: it is what was asked), naming what pays there."""
+    if args.to != "vca":
+        return
+    from vca_patch.planner.speedup import VCA_PAYS_FROM_TOKENS, vca_pays
+    from vca_patch.surgery import inspect_model
+
+    try:
+        layout = inspect_model(net).layout
+    except ValueError:  # not a model these checks can read: the conversion's own checks say why
+        return
+    if layout is None:  # hierarchical: one grid per stage
+        return
+    tokens = layout.num_prefix_tokens + layout.grid[0] * layout.grid[1]
+    if not vca_pays(tokens):
+        err_console.print(
+            f"[bold yellow]note:[/] {tokens} tokens: VCA is slower than softmax attention here (it pays from "
+            f"~{VCA_PAYS_FROM_TOKENS}); token merging pays (--budget B --calibration-data DIR plans it), or convert at "
+            "a larger --img-size", highlight=False, soft_wrap=True,
+        )  # fmt: skip
 
 
 def _check_sizes(args: ConvertArgs, net: torch.nn.Module, config: TargetConfig) -> None:
@@ -177,7 +277,8 @@ def _check_output(args: ConvertArgs) -> None:
     """The output rule (see `check_output`), before any work: -o is replaced as a whole, so it is none of the
     inputs (a local MODEL folder, --weights, --calibration-data, --plan), is inside none and holds none."""
     inputs = {"MODEL folder": Path(args.model), "--weights file": args.weights,
-              "--calibration-data": args.calibration_data, "--plan file": args.plan}  # fmt: skip
+              "--calibration-data": args.calibration_data, "--plan file": args.plan, "--eval-data": args.eval_data,
+              "--recipe file": args.recipe}  # fmt: skip
     check_output(args.output, inputs, kind="folder", replaces=True, option="-o")
     check_output_dir(args.output, overwrite=args.force)
     hold(output_lock(args.output, "vca-patch convert"))  # a second run into -o fails at once, naming this one
@@ -214,7 +315,7 @@ def _check_inputs(args: ConvertArgs) -> None:
     refuse_checkpoint_input(args.model)
     if args.weights is not None and not args.weights.is_file():
         fail(f"weights file {args.weights} does not exist", 2)
-    if _local(args.calibration_data):
+    if _local(args.calibration_data) and args.budget is None:  # --budget reads every image file (any layout)
         check_calibration_splits(args.calibration_data, args.calibration_kind, args.split, args.eval_split)
     removed = foreign_entries(args.output, CHECKPOINT_FILES)
     if removed:  # --force replaces the folder as a whole: say so before anything is done

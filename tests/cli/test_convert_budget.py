@@ -1,0 +1,146 @@
+"""`vca-patch convert --budget`: plan, convert, calibrate, measure and save in one command, and its one-line
+refusals (--budget with --plan or another --to, VCA where it cannot pay, options that go with --budget only)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from typer.testing import CliRunner
+
+import vca_patch
+from tests.integration.attention_cost import quadratic_softmax
+from tests.support.paths import RECIPES
+from vca_patch.cli import app
+from vca_patch.planner.images import image_files, load_images
+
+MODEL = "test_vit"  # timm's 6-block test ViT, width 64, patch 16
+RES = 128  # 8x8 patches + CLS
+runner = CliRunner()
+
+
+def photos(folder, count: int, seed: int) -> None:
+    """`count` random RGB images of another size than RES (the loader resizes and crops them)."""
+    folder.mkdir()
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        Image.fromarray(rng.integers(0, 255, (140, 150, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+
+
+@pytest.fixture
+def steady_timing(monkeypatch):
+    with quadratic_softmax(monkeypatch):  # softmax attention costs what a large model's does: merging pays
+        yield
+
+
+def one_error_line(output: str) -> str:
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), output
+    return lines[0]
+
+
+def test_convert_budget_saves_a_checkpoint_that_reloads_with_the_measured_outputs(tmp_path, steady_timing):
+    photos(tmp_path / "calibration", 2, seed=0)
+    photos(tmp_path / "evaluation", 2, seed=1)
+    out = tmp_path / "fast"
+    result = runner.invoke(app, [
+        "convert", MODEL, "--no-pretrained", "--resolution", str(RES), "--budget", "0.9", "--calibration-data",
+        str(tmp_path / "calibration"), "--eval-data", str(tmp_path / "evaluation"), "--contrast-tokens", "0",
+        "--merge-fractions", "0.5", "--mano-windows", "none", "--repeats", "3", "--min-time", "0",
+        "--recipe", str(RECIPES / "dinov2_small.yaml"), "-o", str(out),
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert f"Measured at {RES} px on 2 images of --eval-data {tmp_path / 'evaluation'}" in text
+    assert f"Next, recover it: vca-patch finetune {out} --recipe {RECIPES / 'dinov2_small.yaml'}" in text
+    saved = json.loads((out / "config.json").read_text())
+    speedup = saved["metadata"]["speedup"]
+    assert speedup["plan"] in text and f"{speedup['latency_ratio']:.2f}x the original's latency" in text
+    assert saved["config"]["target"] == "merge" and any(saved["config"]["schedule"])  # merging alone: no VCA tried
+    assert not saved["config"]["vca_layers"] and "merge r=" in speedup["plan"]
+
+    torch.manual_seed(0)  # the CLI's --seed 0 random weights, rebuilt
+    original = timm.create_model(MODEL, pretrained=False, img_size=RES).eval()
+    reloaded = vca_patch.from_pretrained(out)
+    norm = {key: original.pretrained_cfg[key] for key in ("mean", "std")}  # the CLI normalises as the model's
+    images = load_images(image_files(tmp_path / "evaluation"), RES, **norm)  # the CLI's held-out images
+    with torch.no_grad():
+        reference, converted = original.forward_features(images), reloaded.forward_features(images)
+    cls = F.cosine_similarity(reference[:, 0].double(), converted[:, 0].double(), dim=-1).mean()
+    patch = F.cosine_similarity(reference[:, 1:].double(), converted[:, 1:].double(), dim=-1).mean()
+    assert float(cls) == pytest.approx(speedup["cls_cosine"], abs=1e-6)  # the saved model is the one measured
+    assert float(patch) == pytest.approx(speedup["patch_token_cosine"], abs=1e-6)
+    assert not torch.allclose(reference, converted)
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--budget", "0.6", "--plan", "plan.json"], "--budget plans the conversion itself; --plan does not apply"),
+        (["--budget", "0.6", "--to", "mano"], "--to mano does not apply to it: drop --to"),
+        (["--budget", "0.6"], "--budget needs --calibration-data DIR"),
+        (["--budget", "0.6", "--grow-tokens", "0.4", "--calibration-data", "{images}"], "--grow-tokens does not apply"),
+        (["--budget", "0.6", "--softmax", "separate", "--calibration-data", "{images}"], "--softmax does not apply"),
+        (["--budget", "0", "--calibration-data", "{images}"], "--budget must be a positive latency ratio"),
+        (["--eval-data", "{images}"], "--eval-data goes with --budget"),
+        (
+            ["--budget", "0.6", "--calibration-data", "{images}", "--eval-data", "{images}/none"],
+            "--eval-data {images}/none is not a folder",
+        ),
+        (
+            ["--budget", "0.6", "--calibration-data", "{images}", "--eval-data", "{images}"],
+            "--eval-data {images} shares 2 images with --calibration-data",
+        ),
+        (["--min-time", "1"], "--min-time goes with --budget"),
+    ],
+)
+def test_options_that_cannot_go_with_budget_are_refused_in_one_line(tmp_path, extra, expected):
+    photos(tmp_path / "images", 2, seed=0)
+    extra = [value.replace("{images}", str(tmp_path / "images")) for value in extra]
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", "vit_tiny_patch16_224", "--no-pretrained", *extra, "-o", str(out)])
+    expected = expected.replace("{images}", str(tmp_path / "images"))
+    assert result.exit_code == 2 and expected in " ".join(one_error_line(result.output).split())
+    assert not out.exists()
+
+
+def test_vca_where_it_cannot_pay_is_refused_in_one_line_naming_what_pays(tmp_path):
+    photos(tmp_path / "images", 2, seed=0)
+    out = tmp_path / "out"
+    result = runner.invoke(app, [
+        "convert", MODEL, "--no-pretrained", "--to", "vca", "--budget", "0.6", "--resolution", "224",
+        "--calibration-data", str(tmp_path / "images"), "-o", str(out),
+    ])  # fmt: skip
+    line = one_error_line(result.output)
+    assert result.exit_code == 2 and "VCA cannot pay at 224 px: 197 tokens" in line
+    assert "token merging pays here (drop --to vca and --budget plans it), or convert at a larger --resolution" in line
+    assert not out.exists()
+
+
+def test_plain_vca_conversion_where_it_cannot_pay_says_so_and_converts(tmp_path):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", MODEL, "--no-pretrained", "--img-size", "64", "-o",
+                                 str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "note: 17 tokens: VCA is slower than softmax attention here (it pays from ~250); token merging pays" in text
+    assert (out / "model.safetensors").is_file()
+
+
+def test_a_budget_no_plan_meets_is_refused_in_one_line_and_nothing_is_written(tmp_path, steady_timing):
+    photos(tmp_path / "images", 3, seed=0)
+    out = tmp_path / "out"
+    result = runner.invoke(app, [
+        "convert", MODEL, "--no-pretrained", "--resolution", str(RES), "--budget", "0.01", "--calibration-data",
+        str(tmp_path / "images"), "--contrast-tokens", "0", "--merge-fractions", "0.5", "--mano-windows", "none",
+        "--repeats", "3", "--min-time", "0", "-o", str(out),
+    ])  # fmt: skip
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1 and result.output.strip().splitlines()[-1] == errors[0]
+    assert "no plan meets the latency budget 0.01x" in errors[0] and "merge" in errors[0]
+    assert not out.exists()
