@@ -100,16 +100,21 @@ def test_nothing_is_faster_only_when_nothing_measured_is():
         Candidate([0, 2, 2, 2], latency=1.04),
         Candidate([0, 0, 0, 0], {1: 4}, latency=1.2),
     ]
-    with pytest.raises(PlanError, match=r"original \(softmax everywhere\), is predicted at 1\.00x.*nothing is faster"):
+    nothing = "nothing measured is faster"
+    with pytest.raises(PlanError, match=rf"original \(softmax everywhere\), is predicted at 1\.00x.*{nothing}"):
         choose(slower, 0.8, "cls")
-    # predicted slower, but measured faster than the original: never "nothing is faster"
+    # predicted slower, but measured faster than the original: never "nothing measured is faster"
     slower[1] = dataclasses.replace(slower[1], measured_latency=RatioInterval(0.9, 0.88, 0.92, 6))
     with pytest.raises(PlanError) as error:
         choose(slower, 0.8, "cls")
-    assert "merge r=2 from block 1, runs 0.900x" in str(error.value) and "nothing is faster" not in str(error.value)
+    assert "merge r=2 from block 1, runs 0.900x" in str(error.value) and nothing not in str(error.value)
     slower[1] = dataclasses.replace(slower[1], measured_latency=RatioInterval(1.1, 1.05, 1.2, 6))
-    with pytest.raises(PlanError, match=r"runs 1\.100x \[1\.050, 1\.200\].*nothing is faster than the original"):
+    with pytest.raises(PlanError, match=rf"runs 1\.100x \[1\.050, 1\.200\].*{nothing} than the original"):
         choose(slower, 0.8, "cls")
+    slower[1] = dataclasses.replace(slower[1], measured_latency=RatioInterval(1.05, 0.7, 1.2, 6))  # a loaded machine
+    with pytest.raises(PlanError) as error:
+        choose(slower, 0.8, "cls")
+    assert "its interval holds the budget" in str(error.value) and nothing not in str(error.value)
 
 
 def test_plan_model_end_to_end_and_the_plan_file(tmp_path):

@@ -178,7 +178,7 @@ def fit_scales(
     original over `timed` ((plan, measured ratio) pairs; a plain float is exact): least squares, each timing
     weighted by its interval (a noisy one counts less) and each k pulled toward 1 (± SCALE_SPREAD), so a part no
     timing pins down keeps its block timing. Block timings alone misjudge whole models (on DINOv2-S at 518 px on a
-    loaded 2-core machine they predicted 0.88x for a merge plan that measured 0.52x, and on a busier one that
+    loaded 2-core machine they predicted 0.88x for merging r = 108, 0.57x on an idle one, and on a busier one that
     nothing was faster than the original); merging's two parts, fewer tokens and the matching's overhead, get a
     scale each, so two merge plans timed fix even an overhead timed too large to leave any saving."""
     rows, targets = [], []

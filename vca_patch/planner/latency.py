@@ -2,10 +2,10 @@
 and which parts of the search space a plan within the budget could use at all.
 
 Block timings (`costs.measure_latency_table`) give the shape of the latency model, not its level: on a loaded
-2-core machine they predicted 0.88x for a DINOv2-S merge plan at 518 px that measured 0.52x. So a few "anchor"
-plans are timed as whole models first (the fastest merge schedule and a middle one, VCA or MANO in every block), the
-VCA and MANO block times read off those (`corrected_blocks`), each part's saving rescaled to match
-(`costs.fit_scales`), and all refitted once the finalists are timed."""
+2-core machine they predicted 0.88x for DINOv2-S merging r = 108 at 518 px, which runs at 0.57x on an idle one.
+So a few "anchor" plans are timed as whole models first (the fastest merge schedule and a middle one, VCA or MANO
+in every block), the VCA and MANO block times read off those (`corrected_blocks`), each part's saving rescaled to
+match (`costs.fit_scales`), and all refitted once the finalists are timed."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ def as_interval(value: RatioInterval | float) -> RatioInterval:
     return value if isinstance(value, RatioInterval) else RatioInterval.exact(float(value))
 
 
-MAX_SPREAD = 0.3  # `TimedPlans.spread` counts at most this much: past it the search would be near exhaustive
+MAY_PAY = 1.25  # a VCA / MANO block timed alone within this of a softmax block's time may still pay
+MAX_SPREAD = 0.15  # `TimedPlans.spread` counts at most this much: more widens the search and the finalists to
+# nearly everything, each timed as uncertainly (at load 7 on 2 cores, 0.3 took 8 minutes at 518 px)
 
 
 @dataclass
@@ -46,9 +48,6 @@ class TimedPlans:
 
     def get(self, name: str) -> RatioInterval | None:
         return self.plans[name][1] if name in self.plans else None
-
-    def fastest(self) -> tuple[Candidate, RatioInterval] | None:
-        return min(self.plans.values(), key=lambda item: item[1].ratio, default=None)
 
     def fitted(self, table: LatencyTable, info: ModelInfo, resolution: int) -> LatencyTable:
         """`table` calibrated on these timings: VCA and MANO blocks timed whole where a plan converted every block
@@ -120,13 +119,17 @@ def anchor_plans(
     windows: Sequence[int],
 ) -> list[Candidate]:
     """The plans timed first to calibrate the block timings: the fastest merge schedule from the first start (the
-    largest r) and a middle one, VCA(fastest n) in every block and MANO(fastest k) in every block, each offered."""
+    largest r) and a middle one, VCA(fastest n) in every block and MANO(fastest k) in every block, each offered and
+    for VCA and MANO, where its block timed alone may pay (within MAY_PAY of a softmax block: timed alone on a
+    loaded machine, a VCA block that pays read 1.14x a softmax block's time)."""
     out = []
     first = min((j for j, _ in schedules), default=None)
     rates = sorted(r for j, r in schedules if j == first)
     for r in sorted({rates[-1], rates[len(rates) // 2]} if rates else ()):
         out.append(Candidate([0] * first + [r] * (info.depth - first)))
-    options = fastest_options(table, ns, windows)
+    full = MAY_PAY * table.block_s(info.tokens(resolution))
+    options = fastest_options(table, [n for n in ns if table.vca_s[n] <= full],
+                              [k for k in windows if table.mano_s[k] <= full])  # fmt: skip
     if "vca" in options:
         out.append(Candidate([0] * info.depth, dict.fromkeys(range(info.depth), options["vca"])))
     if "mano" in options:

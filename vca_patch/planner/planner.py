@@ -243,8 +243,9 @@ def finalists(cands: Sequence[Candidate], budget: float, objective: str, top: in
         near = fastest[:1] + [c for c in fastest[1:] if c.merging_only][:1]
     out = near[:top]
     for group in (within, near):
-        best = group[:1] + [c for c in group if c.merging_only][:1] + [c for c in group if c.hybrid][:1]
-        out += [c for c in best if c not in out]
+        for cand in group[:1] + [c for c in group if c.merging_only][:1] + [c for c in group if c.hybrid][:1]:
+            if cand not in out:
+                out.append(cand)
     return out
 
 
@@ -504,12 +505,20 @@ def _anchored(
 
 
 def load_line() -> str:
-    """The machine's 1-minute load average against its cores, and a warning when other work competes for them (a
-    timing then reads the contention too: at load 5 on 2 cores, DINOv2-S's merge plans ran 0.4x to 2.2x the
-    original's latency from one timing to the next, against 0.52x on an idle machine)."""
+    """The machine's 1-minute load average against its cores and, when other work competes for them, what that
+    does to timings: with OpenMP's default spin-waiting, threads that lose their core stall every parallel step
+    (on 2 cores at load 3, DINOv2-S merging r = 114 at 518 px timed 1.97x the original's latency, 0.475x with
+    OMP_WAIT_POLICY=PASSIVE, 0.52x idle)."""
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    busy = "; other work competes for them, so timings vary: see each interval" if load > 0.75 * cores else ""
-    return f"load average {load:.1f} on {cores} cores{busy}"
+    line = f"load average {load:.1f} on {cores} cores"
+    if load <= 0.75 * cores:
+        return line
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        return (
+            f"{line}; other work competes for them, and OpenMP's spin-waiting then slows plans with many small "
+            "steps (merging) the most: start Python with OMP_WAIT_POLICY=PASSIVE to time as an idle machine would"
+        )
+    return f"{line}; other work competes for them, so timings vary: see each interval"
 
 
 def _timed_table(
@@ -574,17 +583,19 @@ def _choose(
     **options: Any,
 ) -> tuple[Candidate, dict[str, Any], LatencyTable, list[Candidate]]:
     """(chosen, its finalist scores, the block timings fitted to every timing, every candidate): the finalists
-    measured (`choose_measured`), the block timings refitted to their timings, and measured again once if the
-    refit brings plans onto the shortlist that were not measured. The chosen plan's `latency` is the final fit's."""
+    measured (`choose_measured`, within the budget plus a slack widened to the timings' spread), the block timings
+    refitted to their timings, and measured again once if the refit brings plans onto the shortlist that were not
+    measured. The chosen plan's `latency` is the final fit's."""
     resolution, measured = int(images.shape[-1]), {}
+    slack = max(LATENCY_SLACK, timed.spread())  # as far as the timings so far may be off
     for attempt in range(2):
-        cands = candidates(info, resolution, table, sens, objective)
+        cands = timed.marked(candidates(info, resolution, table, sens, objective))
         chosen, finalist = choose_measured(model, info, cands, budget, objective, images, top=top, log=log,
-                                           measured=measured, timed=timed, **options)  # fmt: skip
+                                           measured=measured, timed=timed, slack=slack, **options)  # fmt: skip
         table = timed.fitted(table, info, resolution)
-        cands = candidates(info, resolution, table, sens, objective)
-        more = [c for c in finalists(cands, budget, objective, top, LATENCY_SLACK) if c.describe() not in measured]
-        if not more or attempt:
+        cands = timed.marked(candidates(info, resolution, table, sens, objective))
+        more = [c for c in finalists(cands, budget, objective, top, slack) if c.describe() not in measured]
+        if not finalist or not more or attempt:  # nothing measured (one plan within reach), or nothing new
             break
         log(f"refitted to the finalists' timings, {len(more)} more plans are within reach: measuring them")
     chosen = replace(chosen.with_latency(table, info, resolution), measured_latency=timed.get(chosen.describe()))

@@ -173,13 +173,14 @@ def pareto(cands: Sequence[Candidate], objective: str) -> list[Candidate]:
 
 
 def reach_advice(fastest: float, merge_fractions: Sequence[float] = ()) -> str:
-    """What to do when no plan meets a budget, given the fastest plan's ratio: keep the original when nothing is
-    faster than it, else what reaches further (more merging while the fractions allow it, a lower resolution, a
-    smaller model)."""
+    """What to do when no plan meets a budget, given the fastest plan's ratio (the low end of its measured
+    interval, when timed): keep the original when nothing is faster than it, else what reaches further (more
+    merging while the fractions allow it, a lower resolution, a smaller model)."""
     if fastest >= 1.0:
         return (
-            "nothing is faster than the original at this size (too few tokens for VCA, MANO or merging to pay for "
-            "themselves): keep the original, or plan for a larger resolution"
+            "nothing measured is faster than the original here (too few tokens for VCA, MANO or merging to pay for "
+            "themselves, or other work competing for the cores: see the load in the log): keep the original, or "
+            "plan for a larger resolution or on an idle machine"
         )
     if max(merge_fractions, default=0.0) < MAX_MERGE_FRACTION:
         return (
@@ -190,15 +191,15 @@ def reach_advice(fastest: float, merge_fractions: Sequence[float] = ()) -> str:
 
 
 def fastest_line(cands: Sequence[Candidate]) -> tuple[str, float]:
-    """("the fastest measured plan, <plan>, runs <ratio and interval>", ratio) over the candidates timed against
-    the original; the fastest predicted, said to be a prediction, when none was timed."""
+    """("the fastest measured plan, <plan>, runs <ratio and interval>", the low end of its interval) over the
+    candidates timed against the original; the fastest predicted, said to be a prediction, when none was timed."""
     timed = [c for c in cands if c.measured_latency is not None]
     if timed:
         fastest = min(timed, key=lambda c: c.measured_latency.ratio)
         return (
             f"the fastest measured plan, {fastest.describe()}, runs {fastest.measured_latency.describe()} the "
             "original's latency",
-            fastest.measured_latency.ratio,
+            fastest.measured_latency.low,
         )
     if not cands:
         return "no plan was searched", 1.0
