@@ -4,6 +4,7 @@ refusals (--budget with --plan or another --to, VCA where it cannot pay, options
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,24 +46,26 @@ def one_error_line(output: str) -> str:
 
 
 def test_convert_budget_saves_a_checkpoint_that_reloads_with_the_measured_outputs(tmp_path, steady_timing):
-    photos(tmp_path / "calibration", 2, seed=0)
-    photos(tmp_path / "evaluation", 2, seed=1)
+    (tmp_path / "train").mkdir()
+    for name, count, seed in (("calibration", 2, 0), ("evaluation", 2, 1), ("train/photos", 5, 2)):
+        photos(tmp_path / name, count, seed=seed)
     out = tmp_path / "fast"
     result = runner.invoke(app, [
         "convert", MODEL, "--no-pretrained", "--resolution", str(RES), "--budget", "0.9", "--calibration-data",
         str(tmp_path / "calibration"), "--eval-data", str(tmp_path / "evaluation"), "--contrast-tokens", "0",
         "--merge-fractions", "0.5", "--mano-windows", "none", "--repeats", "3", "--min-time", "0",
-        "--recipe", str(RECIPES / "dinov2_small.yaml"), "-o", str(out),
+        "--recipe", small_recipe(tmp_path, tmp_path / "train"), "-o", str(out),
     ])  # fmt: skip
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert f"Measured at {RES} px on 2 images of --eval-data {tmp_path / 'evaluation'}" in text
-    assert f"Next, recover it: vca-patch finetune {out} --recipe {RECIPES / 'dinov2_small.yaml'}" in text
+    assert "not recovered: merge r=" in text and "has no VCA blocks, so nothing a recovery would train" in text
     saved = json.loads((out / "config.json").read_text())
     speedup = saved["metadata"]["speedup"]
     assert speedup["plan"] in text and f"{speedup['latency_ratio']:.2f}x the original's latency" in text
     assert saved["config"]["target"] == "merge" and any(saved["config"]["schedule"])  # merging alone: no VCA tried
     assert not saved["config"]["vca_layers"] and "merge r=" in speedup["plan"]
+    assert speedup["recovery"].startswith("not recovered")
 
     torch.manual_seed(0)  # the CLI's --seed 0 random weights, rebuilt
     original = timm.create_model(MODEL, pretrained=False, img_size=RES).eval()
@@ -144,3 +147,89 @@ def test_a_budget_no_plan_meets_is_refused_in_one_line_and_nothing_is_written(tm
     assert result.exit_code == 2 and len(errors) == 1 and result.output.strip().splitlines()[-1] == errors[0]
     assert "no plan meets the latency budget 0.01x" in errors[0] and "merge" in errors[0]
     assert not out.exists()
+
+
+def small_recipe(tmp_path, photos_folder, stage: dict | None = None, **data) -> str:
+    """The DINOv2 recovery recipe, 2 steps of batch 2 on `photos_folder`, for a model with a head (no cls_weight:
+    distill compares logits), its data and stage updated by `data` and `stage`."""
+    import yaml
+
+    spec = yaml.safe_load((RECIPES / "dinov2_small.yaml").read_text())
+    spec["data"] = {key: value for key, value in spec["data"].items() if key != "img_size"} | {
+        "path": str(photos_folder), "mixup": 0.0, "cutmix": 0.0, **data}  # fmt: skip
+    spec["train"] |= {"batch_size": 2, "log_every": 1}
+    spec["stages"][0] = {k: v for k, v in spec["stages"][0].items() if k != "cls_weight"} | {
+        "steps": 2, "warmup_steps": 0, **(stage or {})}  # fmt: skip
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
+
+
+VCA_RES = 256  # 257 tokens: where VCA may pay
+
+
+def test_convert_budget_with_a_recipe_recovers_a_plan_with_vca_blocks(tmp_path, steady_timing):
+    (tmp_path / "train").mkdir()
+    for name, count, seed in (("calibration", 2, 0), ("evaluation", 2, 1), ("train/photos", 5, 2)):
+        photos(tmp_path / name, count, seed=seed)
+    out = tmp_path / "fast"
+    result = runner.invoke(app, [
+        "convert", MODEL, "--no-pretrained", "--resolution", str(VCA_RES), "--budget", "0.95", "--to", "vca",
+        "--contrast-tokens", "4", "--calibration-data", str(tmp_path / "calibration"), "--eval-data",
+        str(tmp_path / "evaluation"), "--repeats", "3", "--min-time", "0",
+        "--recipe", small_recipe(tmp_path, tmp_path / "train"), "-o", str(out),
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    line = f"recovered with {tmp_path / 'recipe.yaml'}: 2 steps on 4 images of {tmp_path / 'train'}"
+    assert line in text  # class folders without splits: 4 in 5 images train
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["config"]["vca_layers"] and saved["metadata"]["speedup"]["recovery"] == line
+
+
+def test_the_recovery_hook_trains_the_new_parameters_and_leaves_the_rest(tmp_path):
+    from types import SimpleNamespace
+
+    from vca_patch.cli.convert_budget import recovery_hook
+    from vca_patch.recovery import calibrate
+    from vca_patch.surgery import patch_model
+    from vca_patch.targets.vca.config import VCAConfig
+
+    (tmp_path / "train").mkdir()
+    photos(tmp_path / "train" / "photos", 5, seed=2)
+    torch.manual_seed(0)
+    original = timm.create_model(MODEL, pretrained=False, img_size=VCA_RES).eval()
+    model = timm.create_model(MODEL, pretrained=False, img_size=VCA_RES).eval()
+    model.load_state_dict(original.state_dict())
+    patch_model(model, VCAConfig(contrast_tokens=4))
+    calibrate(model, [torch.randn(2, 3, VCA_RES, VCA_RES)])
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    args = SimpleNamespace(recipe=Path(small_recipe(tmp_path, tmp_path / "train")))
+    line = recovery_hook(args, model, VCA_RES)(model, original)
+    assert line.endswith(f"2 steps on 4 images of {tmp_path / 'train'}")
+    after = model.state_dict()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed and all(".attn." in name for name in changed), sorted(changed)  # rest_lr 0: only attention
+    assert not model.training
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"img_size": 224}, f"trains at data.img_size 224, the model runs at {VCA_RES} px"),
+        ({"stage": {"cls_weight": 0.5}}, "this model has a classifier head, so distill compares its logits"),
+    ],
+)
+def test_a_recipe_that_cannot_recover_this_model_is_refused_before_the_planning(tmp_path, change, expected):
+    photos(tmp_path / "calibration", 2, seed=0)
+    (tmp_path / "train").mkdir()
+    photos(tmp_path / "train" / "photos", 5, seed=2)
+    recipe = small_recipe(tmp_path, tmp_path / "train", **change)
+    out = tmp_path / "out"
+    result = runner.invoke(app, [
+        "convert", MODEL, "--no-pretrained", "--resolution", str(VCA_RES), "--budget", "0.6", "--calibration-data",
+        str(tmp_path / "calibration"), "--recipe", recipe, "-o", str(out),
+    ])  # fmt: skip
+    line = " ".join(one_error_line(result.output).split())
+    assert result.exit_code == 2 and expected in line
+    assert "Planning" not in result.output and not out.exists()

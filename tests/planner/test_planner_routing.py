@@ -264,3 +264,13 @@ def test_measure_plan_reuses_a_given_timing_and_times_otherwise(monkeypatch):
     timed = planner_module.measure_plan(model, config, images, RES)
     assert calls == [["plan"]] and (timed["latency_ratio"], timed["latency_high"]) == (0.7, 0.8)
     assert 0 < timed["cls_cosine"] <= 1 and timed["cls_cosine"] == given["cls_cosine"]  # the same plan, scored
+
+
+def test_the_original_is_never_measured_below_a_budget_under_1x():
+    original = Candidate([0, 0, 0, 0], latency=1.0, cls=1.0, patch=1.0)
+    merged = Candidate([4, 4, 4, 4], latency=0.85, cls=0.99, patch=0.98)
+    assert original.is_original and not merged.is_original
+    assert finalists([original, merged], 0.9, "both", top=2, slack=0.15) == [merged]  # 1.0 is within 0.9 + 15%
+    timed_fast = dataclasses.replace(original, measured_latency=RatioInterval(0.5, 0.4, 0.6, 3))  # noise
+    assert finalists([timed_fast, merged], 0.9, "both", top=2, slack=0.15) == [merged]
+    assert finalists([original, merged], 1.0, "both", top=2, slack=0.0) == [original, merged]  # a 1x budget: kept

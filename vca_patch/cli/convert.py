@@ -145,7 +145,11 @@ class ConvertArgs:
         typer.Option(help="--budget: images kept apart to measure on (default: every 5th of --calibration-data)"),
     ] = None
     recipe: Annotated[
-        Path | None, typer.Option(help="--budget: a recovery recipe to run next (the command is printed)")
+        Path | None,
+        typer.Option(
+            help="--budget: a recovery recipe run after calibration when the plan has VCA blocks (its "
+            "data: unlabelled images other than --eval-data)"
+        ),
     ] = None
     merge_fractions: Annotated[
         str | None, typer.Option(help="--budget: fractions of the patch tokens merging may remove (default 0.3-0.95)")
@@ -209,7 +213,8 @@ def _convert_with_budget(args: ConvertArgs, target_values: dict[str, Any]) -> No
     net, base_weights = _build_base(args)
     resolution = args.img_size or model_input_size(net)[-1]
     budget.check_vca_pays(args, net, resolution, search)
-    report = budget.run(args, net, split, resolution, search)
+    recover = budget.recovery_hook(args, net, resolution)  # its data and image size checked before the planning
+    report = budget.run(args, net, split, resolution, search, recover)
     metadata = {"base_weights": base_weights, "model_name": args.model, "dtype": args.dtype,
                 "speedup": report.metrics()}  # fmt: skip
     with console.status(f"Saving to {args.output}..."):

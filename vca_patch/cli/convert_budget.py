@@ -20,7 +20,7 @@ from vca_patch.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from vca_patch.cli.convert import ConvertArgs
-    from vca_patch.planner.speedup import SpeedupReport
+    from vca_patch.planner.speedup import Recover, SpeedupReport
 
 PLAN_IMAGES = 8  # calibration images the planner reads unless --calibration-images is given (as `vca-patch plan`)
 EVAL_LIMIT = 32  # held-out images measured at most
@@ -168,10 +168,56 @@ def check_vca_pays(args: ConvertArgs, net: torch.nn.Module, resolution: int, sea
                           "--budget plans it), or convert at a larger --resolution")  # fmt: skip
 
 
+def recovery_hook(args: ConvertArgs, net: torch.nn.Module, resolution: int) -> Recover | None:
+    """The --recipe run as `make_faster`'s recover hook, its training set built now (a missing folder, a recipe
+    that trains at another size or a loss that does not fit the model is refused before the planning, in one line);
+    None without --recipe."""
+    if args.recipe is None:
+        return None
+    import tempfile
+
+    from vca_patch.core.model_io import features_and_logits, model_input_size
+    from vca_patch.data.build import build_dataset
+    from vca_patch.train import load_recipe
+    from vca_patch.train.engine import make_accelerator, run_recipe
+    from vca_patch.train.objective import check_distill_fits
+    from vca_patch.train.tasks.classification import check_data_fits
+
+    spec = load_recipe(args.recipe)
+    if spec.data.img_size not in (None, resolution):
+        raise ConfigError(f"--recipe {args.recipe} trains at data.img_size {spec.data.img_size}, the model runs at "
+                          f"{resolution} px: set data.img_size: {resolution} in a copy of the recipe (recovery "
+                          "trains at the resolution the model will run at)")  # fmt: skip
+    cfg = dict(getattr(net, "pretrained_cfg", None) or {}) | {"input_size": (3, resolution, resolution)}
+    train_set = build_dataset(spec.data, "train", training=True, img_size=resolution, model_cfg=cfg)
+    check_data_fits(train_set, model_input_size(net), spec)
+    with torch.no_grad():  # one image through the model: distill compares logits with a head, features without
+        has_head = features_and_logits(net, train_set[0][0][None])[1] is not None
+    for stage in spec.stages:
+        check_distill_fits(stage, has_head=has_head)
+
+    def recover(model: torch.nn.Module, original: torch.nn.Module) -> str:
+        with tempfile.TemporaryDirectory(prefix="vca-patch-recover-") as folder:
+            result = run_recipe(model, original, spec, folder, train_set=train_set,
+                                accelerator=make_accelerator(spec.train.mixed_precision, device="cpu"))  # fmt: skip
+        model.load_state_dict(result.model.state_dict())  # the published weights (EMA when the recipe keeps one)
+        model.eval()
+        steps = sum(stage.steps for stage in spec.stages if stage.kind != "calibrate")
+        return f"recovered with {args.recipe}: {steps} steps on {len(train_set)} images of {spec.data.path}"
+
+    return recover
+
+
 def run(
-    args: ConvertArgs, net: torch.nn.Module, split: ImageSplit, resolution: int, search: dict[str, Any]
+    args: ConvertArgs,
+    net: torch.nn.Module,
+    split: ImageSplit,
+    resolution: int,
+    search: dict[str, Any],
+    recover: Recover | None = None,
 ) -> SpeedupReport:
-    """`make_faster` on `net` in place, under a spinner, with the planner's progress printed as it goes."""
+    """`make_faster` on `net` in place (recovered by `recover` when given), under a spinner, with the planner's
+    progress printed as it goes."""
     from vca_patch.planner import PlanError
     from vca_patch.planner.speedup import make_faster
 
@@ -188,7 +234,7 @@ def run(
 
         try:
             report = make_faster(net, calib, resolution=resolution, budget=args.budget, eval_images=held, log=log,
-                                 **search)  # fmt: skip
+                                 recover=recover, **search)  # fmt: skip
         except PlanError as error:
             if search.get("merge_fractions") != []:
                 raise
@@ -222,8 +268,7 @@ def show(args: ConvertArgs, report: SpeedupReport) -> None:
             "timings move by a few percent between runs; on a busy machine by more): rerun on an idle machine with "
             "a longer --min-time, or plan for a lower --budget", highlight=False, soft_wrap=True,
         )  # fmt: skip
+    if report.recovery is not None:
+        console.print(report.recovery, highlight=False, soft_wrap=True)
     console.print(f"[bold]{report.summary()}[/]", highlight=False, soft_wrap=True)
     console.print(f"[bold green]Saved[/] {args.output}/ (model.safetensors, config.json, README.md)")
-    if args.recipe is not None:
-        console.print(f"Next, recover it: vca-patch finetune {args.output} --recipe {args.recipe} -o "
-                      f"{args.output}_recovered", highlight=False, soft_wrap=True)  # fmt: skip

@@ -229,7 +229,9 @@ def finalists(cands: Sequence[Candidate], budget: float, objective: str, top: in
     the budget and within it plus the slack each, the best predicted, the best merging-only and the best hybrid
     (merging after VCA / MANO blocks) plan, so each kind of plan that may win is measured; with none predicted
     within the budget plus the slack, the fastest predicted plan and the fastest merging-only one. A plan timed
-    already (`Candidate.measured_latency`) goes by its measured ratio instead of its prediction."""
+    already (`Candidate.measured_latency`) goes by its measured ratio instead of its prediction. Below a 1x budget
+    the original itself is never measured: it runs at 1x by definition, and a timing of it could only read noise
+    within the budget."""
 
     def latency(c: Candidate) -> float:  # a plan timed already goes by its timing
         return c.measured_latency.ratio if c.measured_latency is not None else c.latency
@@ -237,6 +239,8 @@ def finalists(cands: Sequence[Candidate], budget: float, objective: str, top: in
     def ranked(limit: float) -> list[Candidate]:
         return sorted((c for c in cands if latency(c) <= limit), key=lambda c: (-c.score(objective), latency(c)))
 
+    if budget < 1:
+        cands = [c for c in cands if not c.is_original]
     within, near = ranked(budget), ranked(budget * (1 + slack))
     if not near:  # predicted beyond reach: the fastest plans are measured, in case they are faster than predicted
         fastest = sorted(cands, key=latency)

@@ -48,6 +48,11 @@ class Candidate:
         return not self.vca_layers and not self.mano_layers
 
     @property
+    def is_original(self) -> bool:
+        """No block changed: its latency is the original's by definition (a timing of it measures only noise)."""
+        return self.merging_only and not any(self.schedule)
+
+    @property
     def hybrid(self) -> bool:
         """Merging from some block on, with VCA or MANO blocks before it."""
         return any(self.schedule) and not self.merging_only

@@ -1,9 +1,11 @@
-"""`make_faster`: one call from a pretrained ViT to a faster one, in place: plan, apply, calibrate, measure.
+"""`make_faster`: one call from a pretrained ViT to a faster one, in place: plan, apply, calibrate, recover,
+measure.
 
 The planner (`plan_model`) chooses per block between softmax, VCA(n), MANO(k) and token merging within a latency
 budget; `make_faster` applies its plan to the model itself (as `patch_model` does), calibrates the VCA blocks on the
-calibration images, and measures the result against a copy of the original on images kept apart from calibration:
-the batch-1 latency ratio (both timed side by side) and the CLS and patch-token cosine of the final tokens.
+calibration images, optionally recovers them (a `recover` hook, e.g. a recipe run: the planner knows no training
+code), and measures the result against a copy of the original on images kept apart from calibration: the batch-1
+latency ratio (both timed side by side) and the CLS and patch-token cosine of the final tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from vca_patch.eval.final_tokens import fidelity, latency, tokens
 from vca_patch.planner.model_info import PlanError
 from vca_patch.planner.planner import PlanResult, apply_plan, plan_model
 from vca_patch.targets.base import TargetConfig
+
+Recover = Callable[[nn.Module, nn.Module], str]  # (converted model, original) -> one line saying what was done
 
 HOLD_OUT_EVERY = 5  # without eval images: every 5th calibration image (counted from the last) is kept apart
 VCA_PAYS_FROM_TOKENS = 250  # VCA with its defaults beats fused softmax attention from ~220-270 tokens (README)
@@ -55,6 +59,7 @@ class SpeedupReport:
     mean_patch_cosine: float
     eval_images: int
     measured_on: str  # where the held-out images came from
+    recovery: str | None = None  # what the `recover` hook did (None: not asked; said why when skipped)
 
     @property
     def config(self) -> TargetConfig:
@@ -80,6 +85,7 @@ class SpeedupReport:
             "mean_patch_cosine": self.mean_patch_cosine,
             "eval_images": self.eval_images,
             "measured_on": self.measured_on,
+            "recovery": self.recovery,
         }
 
     def summary(self) -> str:
@@ -129,6 +135,7 @@ def make_faster(
     repeats: int = 3,
     min_time: float = 0.5,
     log: Callable[[str], None] | None = None,
+    recover: Recover | None = None,
     **plan_options: Any,
 ) -> SpeedupReport:
     """Make `model` (unpatched, eval mode) run within `budget` × its batch-1 latency at `resolution`, in place.
@@ -136,9 +143,10 @@ def make_faster(
     `images` ([B, 3, resolution, resolution], normalised as the model expects) plan and calibrate; the result is
     measured on `eval_images` (same shape but B), or, without them, on every HOLD_OUT_EVERY-th of `images` (counted
     from the last), which are then kept out of planning and calibration. `plan_options` go to `plan_model`
-    (contrast_tokens, merge_fractions, mano_windows, local_window, objective, ...). A copy of the original is kept
-    only while measuring. Raises PlanError (nothing changed) when no plan fits the budget, or the best one within
-    it is the original itself.
+    (contrast_tokens, merge_fractions, mano_windows, local_window, objective, ...). `recover(model, original)`, when
+    given, runs after calibration on a plan with VCA blocks (merging and MANO have no new parameters to train) and
+    returns a line for the report. A copy of the original is kept only while recovering and measuring. Raises
+    PlanError (nothing changed) when no plan fits the budget, or the best one within it is the original itself.
     """
     if get_patch_state(model) is not None:
         raise PlanError("make_faster plans an unpatched model; this one is patched already (unpatch_model first)")
@@ -147,17 +155,34 @@ def make_faster(
         model, calib, budget=budget, resolution=resolution, measure=False, repeats=repeats,
         min_time=min_time, log=log, **plan_options,
     )  # fmt: skip
-    if result.chosen.merging_only and not any(result.chosen.schedule):
+    if result.chosen.is_original:
         raise PlanError(f"within {budget:g}x at {resolution} px the planner keeps the original: no conversion it "
                         "measured pays here; keep the original, or plan for a larger resolution")  # fmt: skip
     original = copy.deepcopy(model)
     if log is not None:
         log(f"applying {result.chosen.describe()}; measuring it on {where}")
     apply_plan(model, result.config, calib if plan_options.get("calibrate", True) else None)
+    recovery = _recovered(model, original, result, recover, log)
     measured = measure_speedup(original, model, held, resolution, repeats=repeats, min_time=min_time)
     return SpeedupReport(
         plan=result, latency_ratio=measured["latency_ratio"], latency_ms=measured["latency_ms"],
         original_ms=measured["original_ms"], cls_cosine=measured["cls_cosine"],
         patch_token_cosine=measured["patch_token_cosine"], mean_patch_cosine=measured["mean_patch_cosine"],
-        eval_images=len(held), measured_on=where,
+        eval_images=len(held), measured_on=where, recovery=recovery,
     )  # fmt: skip
+
+
+def _recovered(
+    model: nn.Module, original: nn.Module, result: PlanResult, recover: Recover | None, log: Callable | None
+) -> str | None:
+    """What `recover` did to `model` (in place), or why it was skipped: a plan without VCA blocks has nothing a
+    recovery trains."""
+    if recover is None:
+        return None
+    if not result.chosen.vca_layers:
+        line = f"not recovered: {result.chosen.describe()} has no VCA blocks, so nothing a recovery would train"
+    else:
+        line = recover(model, original)
+    if log is not None:
+        log(line)
+    return line

@@ -21,7 +21,7 @@ from vca_patch.layers.layout import TokenLayout
 from vca_patch.recovery.capture import patched_modules
 from vca_patch.surgery import get_patch_state
 from vca_patch.train.forced import layer_outputs
-from vca_patch.train.recipe import StageSpec
+from vca_patch.train.recipe import RecipeError, StageSpec
 
 
 @contextlib.contextmanager
@@ -136,6 +136,16 @@ class RunningStandardizer:
         return ((features.double() - self.mean[index]) / std[index]).float()  # float64: a large mean, a small std
 
 
+def check_distill_fits(stage: StageSpec, *, has_head: bool) -> None:
+    """RecipeError for a distill stage whose feature-loss options cannot apply: with a classifier head, distill
+    compares logits, so feature_space and cls_weight (a head-less model's feature loss) would be ignored."""
+    if stage.kind == "distill" and has_head and (stage.feature_space != "raw" or stage.cls_weight is not None):
+        raise RecipeError(
+            f"stage {stage.name!r}: feature_space and cls_weight shape a head-less model's feature loss, but this "
+            "model has a classifier head, so distill compares its logits; drop them from the stage"
+        )
+
+
 def distill_loss(
     student: nn.Module,
     teacher: nn.Module,
@@ -151,11 +161,7 @@ def distill_loss(
         t_feat, t_logits = features_and_logits(teacher, x)
     s_feat, s_logits = features_and_logits(student, x)
     if t_logits is not None:
-        if stage.feature_space != "raw" or stage.cls_weight is not None:
-            raise ValueError(
-                f"stage {stage.name!r}: feature_space and cls_weight shape a head-less model's feature loss, but this "
-                "model has a classifier head, so distill compares its logits; drop them from the stage"
-            )
+        check_distill_fits(stage, has_head=True)
         T = stage.kd_temperature
         loss = F.kl_div(
             F.log_softmax(s_logits.float() / T, -1),
