@@ -113,21 +113,70 @@ def attention_floor(model: nn.Module, size: int) -> float:
     return linear / plan_macs(info, size, [], {})
 
 
-def converted(model: nn.Module, row: Row, calib: torch.Tensor) -> nn.Module:
-    """A converted copy of `model` for `row` (calibrated on `calib` when the row says so)."""
+def converted(model: nn.Module, row: Row, calib: torch.Tensor, cache: Cache) -> nn.Module:
+    """A converted copy of `model` for `row` (calibrated on `calib` when the row says so; its weights from the
+    cache when a run before calibrated it)."""
     info = model_info(model)
     twin = copy.deepcopy(model)
     patch_model(twin, row.config(info.tokens(calib.shape[-1]) - info.num_prefix_tokens, info.depth))
-    if row.calibrated:
+    if row.calibrated and not cache.load_weights(row.name, twin):
         calibrate(twin, [calib])
+        cache.save_weights(row.name, twin)
     return twin
 
 
-def planned(model: nn.Module, calib: torch.Tensor, settings: dict, log: Callable[[str], None]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Cache:
+    """What a run at one size keeps in `folder` (none when None), so that a run stopped part-way starts again
+    where it was: each calibrated model's weights, each planner choice, each row's fidelity. Delete the folder
+    when the code or the images change."""
+
+    folder: Path | None
+    size: int
+
+    def _path(self, name: str, suffix: str) -> Path | None:
+        slug = "".join(c if c.isalnum() else "_" for c in name)
+        return None if self.folder is None else self.folder / f"{self.size}_{slug}{suffix}"
+
+    def load_weights(self, name: str, model: nn.Module) -> bool:
+        path = self._path(name, ".pt")
+        if path is None or not path.is_file():
+            return False
+        model.load_state_dict(torch.load(path, weights_only=True))
+        return True
+
+    def save_weights(self, name: str, model: nn.Module) -> None:
+        if (path := self._path(name, ".pt")) is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            torch.save(model.state_dict(), path)
+
+    def load_json(self, name: str) -> dict | None:
+        path = self._path(name, ".json")
+        return json.loads(path.read_text()) if path is not None and path.is_file() else None
+
+    def save_json(self, name: str, data: dict) -> None:
+        if (path := self._path(name, ".json")) is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps(data) + "\n")
+
+
+def planned(
+    model: nn.Module, calib: torch.Tensor, settings: dict, log: Callable[[str], None], cache: Cache
+) -> dict[str, Any]:
     """{row name: (model, record)} of the planner's choice at each budget, planned on the calibration crops only."""
+    from vca_patch.planner.planner import apply_plan
+
     size = calib.shape[-1]
     out: dict[str, Any] = {}
     for budget in settings["budgets"]:
+        name = f"planner {budget:g}x"
+        if (record := cache.load_json(name)) is not None:  # planned by a run before
+            twin = None
+            if "config" in record:
+                twin = apply_plan(copy.deepcopy(model), TargetConfig.from_dict(record["config"]))
+                cache.load_weights(name, twin)
+            out[name] = (twin, {k: v for k, v in record.items() if k != "config"})
+            continue
         started = time.perf_counter()
         try:
             result = plan_model(
@@ -136,15 +185,16 @@ def planned(model: nn.Module, calib: torch.Tensor, settings: dict, log: Callable
             )  # fmt: skip
         except PlanError as error:
             log(f"  planner at {budget:g}x: {error}")
-            out[f"planner {budget:g}x"] = (None, {"kind": "plan", "budget": budget, "error": str(error)})
+            out[name] = (None, {"kind": "plan", "budget": budget, "error": str(error)})
+            cache.save_json(name, out[name][1])
             continue
-        from vca_patch.planner.planner import apply_plan
-
         twin = apply_plan(copy.deepcopy(model), result.config, calib if result.chosen.vca_layers else None)
         record = {"kind": "plan", "budget": budget, "plan": result.chosen.describe(),
                   "predicted_latency_ratio": result.chosen.latency, "seconds": time.perf_counter() - started,
                   "calibrated": bool(result.chosen.vca_layers)}  # fmt: skip
-        out[f"planner {budget:g}x"] = (twin, record)
+        out[name] = (twin, record)
+        cache.save_weights(name, twin)
+        cache.save_json(name, record | {"config": result.config.to_dict()})
     return out
 
 
@@ -177,22 +227,30 @@ def recovered(
 def run_size(size: int, settings: dict, quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
     """Every row at `size` px: built, measured on the held-out images, timed side by side with the original."""
     model, calib, held = load_inputs(size, settings, quick)
+    cache = Cache(settings.get("cache"), size)
     models: dict[str, nn.Module] = {"original": model}
     records: dict[str, dict] = {}
     for row in fixed_rows():
         log(f"  {row.name}")
-        models[row.name] = converted(model, row, calib)
+        models[row.name] = converted(model, row, calib, cache)
         records[row.name] = {"kind": row.kind, "calibrated": row.calibrated}
-    for name, (twin, record) in planned(model, calib, settings, log).items():
+    for name, (twin, record) in planned(model, calib, settings, log, cache).items():
         records[name] = record
         if twin is not None:
             models[name] = twin
     if settings["recover_steps"]:
         _add_recovered(model, models, records, settings["recover_steps"], settings["recover_size"] or size, log)
-    reference = tokens(model, held, 4)
+    reference = None
     for name, record in records.items():
-        if name in models:
-            record.update(fidelity(reference, tokens(models[name], held, 4)))
+        if name not in models:
+            continue
+        scores = cache.load_json(f"fidelity {name}")
+        if scores is None:
+            log(f"  fidelity: {name}")
+            reference = tokens(model, held, 4) if reference is None else reference
+            scores = fidelity(reference, tokens(models[name], held, 4))
+            cache.save_json(f"fidelity {name}", scores)
+        record.update(scores)
     load_before = os.getloadavg()
     timed = latency(models, (size,), settings["repeats"], log=log, min_time=settings["min_time"])
     for name in records:
@@ -280,6 +338,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recover-steps", type=int, default=0, help="recovery steps per calibrated row (0: none)")
     parser.add_argument("--recover-size", type=int, default=0, help="train the recovery at this size (0: its own)")
     parser.add_argument("--min-time", type=float, help="seconds each model is timed at least (2)")
+    parser.add_argument("--plan-images", type=int, help="calibration crops the planner reads (8)")
+    parser.add_argument("--cache", type=Path, help="keep calibrated models, plans and fidelity here (resumable)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for the JSON / MD / PNG")
     return parser.parse_args(argv)
@@ -288,10 +348,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
     settings = dict(QUICK if args.quick else FULL)
-    for key in ("sizes", "budgets", "eval_crops", "calibration", "min_time"):
+    for key in ("sizes", "budgets", "eval_crops", "calibration", "min_time", "plan_images"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     settings |= {"recover_steps": args.recover_steps, "recover_size": args.recover_size}
+    cache = {"cache": args.cache} if args.cache is not None else {}
     torch.set_num_threads(args.threads)
 
     def log(message: str) -> None:
@@ -302,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "settings": settings, "sizes": {}}  # fmt: skip
     for size in settings["sizes"]:
         log(f"{size} px")
-        results["sizes"][str(size)] = run_size(size, settings, args.quick, log)
+        results["sizes"][str(size)] = run_size(size, settings | cache, args.quick, log)
     stem = "front_quick" if args.quick else "front"
     args.results.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.results / f"{stem}.json", json.dumps(results, indent=2) + "\n")
