@@ -162,11 +162,6 @@ def _images(batch: int, chans: int, height: int, width: int, seed: int, like: nn
     return x if param is None else x.to(device=param.device, dtype=param.dtype)
 
 
-def _max_error(outputs: list[torch.Tensor], eager: list[torch.Tensor]) -> float:
-    pairs = zip(outputs, eager, strict=True)
-    return max(float((o.to(e.dtype).to(e.device) - e).abs().max()) for o, e in pairs)
-
-
 def export_model(
     model: nn.Module,
     path: str | Path,

@@ -13,7 +13,6 @@ goes back to trainable latent weights W = α ⊙ sign(W) (the latent magnitudes 
 
 from __future__ import annotations
 
-import itertools
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -327,8 +326,3 @@ def load_packed(model: nn.Module, state_dict: dict[str, torch.Tensor], source: s
         weights.append(BinaryWeight(scale.to(device, dtype).clone(), in_features, words=words, nonzero=nonzero))
     for slot, weight in zip(slots, weights, strict=True):
         _install(model, slot, _packed_from(slot, weight))
-
-
-def module_bytes(module: nn.Module) -> int:
-    """Bytes a (float or packed) Linear holds: its parameters and buffers (weight or bits + scales, bias, clip)."""
-    return sum(t.numel() * t.element_size() for t in itertools.chain(module.parameters(), module.buffers()))
