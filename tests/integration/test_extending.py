@@ -1,5 +1,5 @@
 """Issue #41: an out-of-tree target and an out-of-tree model family, defined here (outside vca_patch/) and
-registered the public way (subclassing `TargetConfig`; `register_family`), work end to end."""
+registered the public way (`register_target`; `register_family`), work end to end."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from vca_patch.families import (
 )
 from vca_patch.layers.carried import CarriedAttention, CarriedAttentionLayer
 from vca_patch.layers.layout import TokenLayout
-from vca_patch.targets.base import CONFIG_TYPES, TargetConfig
+from vca_patch.targets.base import CONFIG_TYPES, TargetConfig, register_target, unregister_target
 
 TARGET = "test-scaled"
 FAMILY = "test-tinyvit"
@@ -61,8 +61,9 @@ class ScaledAttention(CarriedAttentionLayer):
 
 
 def _make_target_config() -> type[TargetConfig]:
-    """Defined on demand: subclassing registers the target, which the fixture undoes at teardown."""
+    """Defined and registered on demand (`register_target`), which the fixture undoes at teardown."""
 
+    @register_target
     @dataclass
     class ScaledAttentionConfig(TargetConfig):
         target: ClassVar[str] = TARGET
@@ -86,11 +87,11 @@ def _make_target_config() -> type[TargetConfig]:
 def scaled() -> Iterator[type[TargetConfig]]:
     assert TARGET not in CONFIG_TYPES
     config_cls = _make_target_config()
-    assert CONFIG_TYPES[TARGET] is config_cls  # registered by subclassing
+    assert CONFIG_TYPES[TARGET] is config_cls
     try:
         yield config_cls
     finally:
-        CONFIG_TYPES.pop(TARGET, None)
+        unregister_target(TARGET)
 
 
 def _outputs(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -339,8 +340,15 @@ def test_register_family_priority_and_errors():
         assert isinstance(adapter_for(model), PlainViTAdapter)
         assert isinstance(adapter_by_name(FAMILY), PlainViTAdapter)
         assert type(adapter_for(tiny()[0])).name == "timm-vit"  # the built-in families keep their models
+        assert register_family(PlainViTAdapter) is PlainViTAdapter  # the same class again: a no-op
+        assert list(ADAPTERS).count(FAMILY) == 1
+
+        class Impostor(PlainViTAdapter):
+            name = FAMILY
+
         with pytest.raises(ValueError, match="already registered"):
-            register_family(PlainViTAdapter)
+            register_family(Impostor)  # another class under a taken name: refused
+        assert ADAPTERS[FAMILY] is PlainViTAdapter
     finally:
         unregister_family(FAMILY)
     assert list(ADAPTERS) == built_in

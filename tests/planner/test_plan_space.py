@@ -16,7 +16,7 @@ from vca_patch.core.errors import ConfigError
 from vca_patch.layers.macs import AttentionShape
 from vca_patch.planner import Candidate, PlanError, load_plan, plan_config, save_plan
 from vca_patch.planner.costs import plan_macs, token_counts
-from vca_patch.targets.base import PLAN_SPACES, PlanSpace, plan_space, register_plan_space
+from vca_patch.targets.base import PLAN_SPACES, PlanSpace, plan_space, register_plan_space, unregister_plan_space
 from vca_patch.targets.mano.macs import mano_attention_macs
 from vca_patch.targets.merge.plan_space import MANO_BLOCKS, VCA_BLOCKS, MergePlanSpace
 from vca_patch.targets.vca.macs import vca_attention_macs
@@ -67,14 +67,18 @@ def test_the_planner_reads_the_registered_space(spaces):
         def tokens_removed(self, tokens: int, prefix: int, r: int) -> int:
             return 0
 
+    with pytest.raises(ValueError, match="plan space 'merge' is already registered"):
+        register_plan_space(NoMerging())  # another space for a target that has one: refused
+    assert register_plan_space(plan_space()) is plan_space()  # the same space again: a no-op
+    unregister_plan_space("merge")
     register_plan_space(NoMerging())
     assert token_counts(info, RES, [5, 5, 5, 5]) == [17, 17, 17, 17]
     with pytest.raises(ConfigError, match=r"no plan space for target 'nope'; registered: \['merge'\]"):
         plan_space("nope")
     with pytest.raises(ConfigError, match="plan space for unknown target 'nope'"):
         register_plan_space(type("Nope", (MergePlanSpace,), {"target": "nope"})())
-    spaces["other"] = MergePlanSpace()
-    with pytest.raises(ConfigError, match=r"2 plan spaces are registered \(\['merge', 'other'\]\): name the target"):
+    register_plan_space(type("VCASpace", (MergePlanSpace,), {"target": "vca"})())
+    with pytest.raises(ConfigError, match=r"2 plan spaces are registered \(\['merge', 'vca'\]\): name the target"):
         plan_space()
 
 

@@ -23,7 +23,7 @@ from vca_patch.layers.carried import CarriedAttention, CarriedAttentionLayer
 from vca_patch.layers.layout import TokenLayout
 from vca_patch.recovery import calibrate
 from vca_patch.recovery.calibrate import CalibrationOptions
-from vca_patch.targets.base import CONFIG_TYPES, TargetConfig
+from vca_patch.targets.base import CONFIG_TYPES, TargetConfig, register_target
 from vca_patch.targets.vca.calibrate import VCACalibration
 
 TARGET = "test-gain"
@@ -56,6 +56,7 @@ class GainCalibration:
 
 
 def _make_target() -> type[TargetConfig]:
+    @register_target
     @dataclass
     class GainConfig(TargetConfig):
         target: ClassVar[str] = TARGET

@@ -19,7 +19,7 @@ from tests.support.paths import RECIPES
 from vca_patch.core.errors import ConfigError
 from vca_patch.layers.carried import CarriedAttention, CarriedAttentionLayer
 from vca_patch.layers.layout import TokenLayout
-from vca_patch.targets.base import CONFIG_TYPES, RecipeOptions, TargetConfig
+from vca_patch.targets.base import CONFIG_TYPES, RecipeOptions, TargetConfig, register_target
 from vca_patch.targets.vca.recipe import VCARecipeStage, VCARecipeTrain
 from vca_patch.train import RecipeError, StageSpec, TrainSpec, load_recipe, recipe_from_dict
 from vca_patch.train.optim import stage_optimizer
@@ -68,6 +68,7 @@ def _scales(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _make_target() -> type[TargetConfig]:
+    @register_target
     @dataclass
     class ScaleConfig(TargetConfig):
         target: ClassVar[str] = TARGET

@@ -9,6 +9,8 @@ from typing import Any
 
 from torch import nn
 
+from vca_patch.core.registry import Registry
+
 
 @dataclass(frozen=True)
 class BenchExtra:
@@ -21,13 +23,18 @@ class BenchExtra:
     devices: tuple[str, ...] = ("cpu",)
 
 
-BENCH_EXTRAS: dict[str, BenchExtra] = {}
+BENCH_EXTRAS: Registry[BenchExtra] = Registry("bench extra")
 
 
 def register_bench_extra(target: str, extra: BenchExtra) -> BenchExtra:
-    """Add `extra` to every `bench` run of `target` (the variant named after it)."""
-    BENCH_EXTRAS[target] = extra
-    return extra
+    """Add `extra` to every `bench` run of `target` (the variant named after it); a target holds one extra (another
+    is refused: `unregister_bench_extra` it first), the same extra again is a no-op."""
+    return BENCH_EXTRAS.register(target, extra)
+
+
+def unregister_bench_extra(target: str) -> BenchExtra:
+    """Remove the bench extra of `target`; the extra."""
+    return BENCH_EXTRAS.unregister(target)
 
 
 def run_extras(variants: list[Any], rows: int, device: str, **timing: Any) -> list[tuple[BenchExtra, dict[str, Any]]]:

@@ -28,6 +28,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCardData
 
+from vca_patch.families import ADAPTERS
 from vca_patch.targets import CONFIG_TYPES, DEFAULT_TARGET
 from vca_patch.targets.base import TargetConfig
 
@@ -40,6 +41,7 @@ _METRIC_LABELS = {
     "agreement_after": "top-1 agreement with the original, after fine-tuning",
 }
 _METRIC_TEXT_KEYS = ("dataset", "split", "dataset_name")
+VCA_PATCH_DIST = "vca-patch"  # this package's distribution: its targets and families need no plug-in line
 _EXTRAS = {"transformers": "hf", "diffusers": "diffusers"}  # base library -> the vca-patch extra that loads it
 
 
@@ -238,7 +240,21 @@ def _install_line(meta: dict[str, Any]) -> str:
     its source tree, with the extra its base library needs, at least the version that wrote it)."""
     extra = _EXTRAS.get(meta["base"].get("library", ""))
     spec = "." + (f"[{extra}]" if extra else "")
-    return f"# needs vca-patch >= {meta['vca_patch_version']}: in its source tree, pip install '{spec}'"
+    line = f"# needs vca-patch >= {meta['vca_patch_version']}: in its source tree, pip install '{spec}'"
+    return "\n".join([line, *_plugin_lines(meta)])
+
+
+def _plugin_lines(meta: dict[str, Any]) -> list[str]:
+    """One comment per plug-in the checkpoint needs (a target or family from another distribution than vca-patch):
+    installed, it is found through its entry point, so `from_pretrained` needs no import of it."""
+    target = str(meta.get("config", {}).get("target", DEFAULT_TARGET))
+    needs = [("target", target, CONFIG_TYPES), ("family", str(meta.get("adapter", "")), ADAPTERS)]
+    lines = []
+    for kind, name, registry in needs:
+        dist = registry.distribution(name) if name in registry else None
+        if dist is not None and dist.replace("_", "-").lower() != VCA_PATCH_DIST:
+            lines.append(f"# and the plug-in that provides its {kind} {name!r}: pip install {dist}")
+    return lines
 
 
 def _weights_note(meta: dict[str, Any], arch: str) -> str:

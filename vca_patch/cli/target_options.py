@@ -1,4 +1,5 @@
-"""CLI options generated from the registered targets' config fields.
+"""CLI options generated from the registered targets' config fields (built-in, registered, or an installed
+plug-in's, found through its entry point when the registry is first read).
 
 A config field with `metadata={"cli": "--flag", "help": "..."}` becomes one `--flag` option of the commands decorated
 with `with_target_options`; its default and help are the field's (written once, in the target's config). Commands
@@ -163,7 +164,9 @@ def target_config(to: str, values: dict[str, Any], **common: Any) -> TargetConfi
     """The `to` target's config from its options' `values` (by parameter name) and the common fields."""
     config_cls = CONFIG_TYPES.get(to)
     if config_cls is None:
-        raise ConfigError(f"--to must be {target_names()}, got {to!r}")
+        failed = CONFIG_TYPES.failures.get(to)
+        reason = f" (the plug-in {to!r} is installed but did not load: {failed})" if failed else ""
+        raise ConfigError(f"--to must be {target_names()}, got {to!r}{reason}")
     refuse_other_targets(to, values, {})
     fields = {o.field: o.value(values[o.param]) for o in target_options() if to in o.helps}
     return config_cls(**fields, **common)

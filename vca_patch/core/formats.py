@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vca_patch.core.registry import Registry
+
 
 @dataclass(frozen=True)
 class CheckpointFormat:
@@ -53,13 +55,18 @@ class CheckpointFormat:
         )
 
 
-FORMATS: dict[str, CheckpointFormat] = {}
+FORMATS: Registry[CheckpointFormat] = Registry("checkpoint format")
 
 
 def register_format(fmt: CheckpointFormat) -> CheckpointFormat:
-    """Register `fmt` (by name; registering a name again replaces it) and return it."""
-    FORMATS[fmt.name] = fmt
-    return fmt
+    """Register `fmt` by name and return it; a name another format holds is refused (`unregister_format` it first),
+    the same format again is a no-op."""
+    return FORMATS.register(fmt.name, fmt)
+
+
+def unregister_format(name: str) -> CheckpointFormat:
+    """Remove the format `name`; the format."""
+    return FORMATS.unregister(name)
 
 
 def format_of_folder(folder: str | Path) -> CheckpointFormat | None:

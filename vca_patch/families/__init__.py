@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
+from vca_patch.core.registry import Registry, RegistryError
 from vca_patch.families.base import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite
 from vca_patch.families.diffusers.dit import DiffusersDiTAdapter
 from vca_patch.families.generic.adapter import GenericAdapter
@@ -16,13 +19,30 @@ from vca_patch.families.transformers.pvt_v1 import HFPvtV1Adapter
 from vca_patch.families.transformers.swin import HFSwinAdapter
 from vca_patch.families.transformers.vision import HFVisionAdapter
 
-# First match wins: the family adapters before generic detection (`register_family` adds to this order).
-_ORDER = (
+FAMILY_GROUP = "vca_patch.families"  # entry-point group: NAME = "module:AdapterClass", NAME the adapter's `name`
+_FALLBACK = GenericAdapter.name  # structural detection: tried last, after every family adapter
+
+
+def _check_adapter(name: str, adapter_cls: Any) -> None:
+    if not (isinstance(adapter_cls, type) and issubclass(adapter_cls, ModelAdapter)):
+        raise TypeError(f"register_family takes a ModelAdapter subclass with a str `name`, got {adapter_cls!r}")
+    if adapter_cls.__dict__.get("name") != name:  # its own name: a subclass does not inherit its parent's
+        raise RegistryError(
+            f"adapter {name!r}: {adapter_cls.__qualname__} must declare `name = {name!r}` itself, "
+            f"got {adapter_cls.__dict__.get('name')!r}"
+        )
+
+
+# First match wins (`adapter_for`): the family adapters, then the plug-ins' (registered before the fallback), then
+# generic detection.
+ADAPTERS: Registry[type[ModelAdapter]] = Registry(
+    "adapter", group=FAMILY_GROUP, check=_check_adapter, default_before=_FALLBACK
+)
+for _adapter in (
     TimmViTAdapter, TimmPVTAdapter, TimmSwinAdapter, HFPvtAdapter, HFPvtV1Adapter, HFSwinAdapter, HFVisionAdapter,
     DiffusersDiTAdapter, GenericAdapter,
-)  # fmt: skip
-ADAPTERS: dict[str, type[ModelAdapter]] = {adapter.name: adapter for adapter in _ORDER}
-_FALLBACK = GenericAdapter.name  # structural detection: tried last, after every family adapter
+):  # fmt: skip
+    ADAPTERS.register(_adapter.name, _adapter)
 
 
 def register_family(adapter_cls: type[ModelAdapter], *, before: str | None = None) -> type[ModelAdapter]:
@@ -31,31 +51,21 @@ def register_family(adapter_cls: type[ModelAdapter], *, before: str | None = Non
     Priority (`adapter_for` asks adapters in order, first match wins): by default a new adapter goes after every
     family adapter registered so far and before the generic fallback, so built-in families keep their models and
     generic detection cannot take yours; `before="timm-vit"` (any registered name) puts it ahead of that one.
-    Its `name` must be new (`unregister_family` it first to replace one).
+    Its `name` must be its own and new (another class's is refused: `unregister_family` it first to replace it);
+    registering the same class again is a no-op. An installed plug-in declares it as an entry point of the group
+    `vca_patch.families` instead, found on the registry's first read.
     """
     name = getattr(adapter_cls, "name", None)
     if not (isinstance(adapter_cls, type) and issubclass(adapter_cls, ModelAdapter)) or not isinstance(name, str):
         raise TypeError(f"register_family takes a ModelAdapter subclass with a str `name`, got {adapter_cls!r}")
-    if name in ADAPTERS:
-        raise ValueError(f"adapter {name!r} is already registered ({ADAPTERS[name].__qualname__})")
-    anchor = _FALLBACK if before is None else before
-    if anchor not in ADAPTERS:
-        raise ValueError(f"before={before!r} is not a registered adapter; known: {list(ADAPTERS)}")
-    items = list(ADAPTERS.items())
-    at = [key for key, _ in items].index(anchor)
-    ADAPTERS.clear()
-    ADAPTERS.update([*items[:at], (name, adapter_cls), *items[at:]])
-    return adapter_cls
+    return ADAPTERS.register(name, adapter_cls, before=before)
 
 
 def unregister_family(name: str) -> type[ModelAdapter]:
     """Remove a registered adapter (e.g. at a test's teardown); the generic fallback cannot be removed."""
     if name == _FALLBACK:
         raise ValueError(f"the {_FALLBACK!r} fallback adapter cannot be unregistered")
-    try:
-        return ADAPTERS.pop(name)
-    except KeyError:
-        raise ValueError(f"unknown adapter {name!r}; known: {list(ADAPTERS)}") from None
+    return ADAPTERS.unregister(name)
 
 
 def libraries() -> dict[str, ModelLibrary]:
@@ -84,14 +94,15 @@ def adapter_for(model: nn.Module) -> ModelAdapter | None:
 
 
 def adapter_by_name(name: str) -> ModelAdapter:
-    try:
-        return ADAPTERS[name]()
-    except KeyError:
-        raise ValueError(f"unknown adapter {name!r}; known: {sorted(ADAPTERS)}") from None
+    """An instance of the registered adapter `name` (built in, registered, or an installed plug-in's)."""
+    if name not in ADAPTERS:
+        raise ValueError(ADAPTERS.unknown(name))
+    return ADAPTERS[name]()
 
 
 __all__ = [
     "ADAPTERS",
+    "FAMILY_GROUP",
     "AttentionSite",
     "LayoutTracker",
     "ModelAdapter",

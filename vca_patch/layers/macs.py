@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vca_patch.core.registry import Registry
 from vca_patch.layers.layout import TokenLayout
 
 
@@ -23,17 +24,22 @@ class AttentionShape(TokenLayout):
 
 
 AttentionMacs = Callable[[AttentionShape, Any], float]
-ATTENTION_MACS: dict[str, AttentionMacs] = {}
+ATTENTION_MACS: Registry[AttentionMacs] = Registry("MAC count")
 
 
 def register_attention_macs(target: str) -> Callable[[AttentionMacs], AttentionMacs]:
-    """Decorator: `fn(shape, config) -> MACs` of one attention layer of `target` (config may be None)."""
+    """Decorator: `fn(shape, config) -> MACs` of one attention layer of `target` (config may be None). A target
+    another function counts is refused (`unregister_attention_macs` it first); the same function again is a no-op."""
 
     def wrap(fn: AttentionMacs) -> AttentionMacs:
-        ATTENTION_MACS[target] = fn
-        return fn
+        return ATTENTION_MACS.register(target, fn)
 
     return wrap
+
+
+def unregister_attention_macs(target: str) -> AttentionMacs:
+    """Remove the MAC count of `target`; the function."""
+    return ATTENTION_MACS.unregister(target)
 
 
 def attention_macs(target: str, shape: AttentionShape, config: Any = None) -> float:

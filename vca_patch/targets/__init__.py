@@ -1,6 +1,7 @@
-"""Conversion targets, one package each; importing this package registers the built-in ones."""
+"""Conversion targets, one package each; importing this package registers the built-in ones (the installed
+plug-ins' targets are found through their entry points on the registry's first read)."""
 
-from vca_patch.targets.base import CONFIG_TYPES, TargetConfig
+from vca_patch.targets.base import CONFIG_TYPES, TargetConfig, register_target, unregister_target
 from vca_patch.targets.didb.config import DIDBConfig
 from vca_patch.targets.mano.config import MANOConfig
 from vca_patch.targets.merge.config import MergeConfig
@@ -23,4 +24,6 @@ __all__ = [
     "TargetConfig",
     "VCAConfig",
     "default_config",
+    "register_target",
+    "unregister_target",
 ]

@@ -1,21 +1,88 @@
 """The target interface: `TargetConfig` (plain data + the hooks surgery calls) and the target registry.
 
-A target registers itself by subclassing `TargetConfig` with a `target` name; nothing here imports a target."""
+A target registers its config class with `register_target` (or, installed as a plug-in, through an entry point of
+the group `vca_patch.targets`, found on the registry's first read); nothing here imports a target."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from torch import nn
 
 from vca_patch.core.errors import ConfigError
+from vca_patch.core.registry import Registry, RegistryError
 from vca_patch.layers.carried import CarriedAttention
 
-CONFIG_TYPES: dict[str, type[TargetConfig]] = {}
+TARGET_GROUP = "vca_patch.targets"  # entry-point group: NAME = "module:ConfigClass", NAME the class's `target`
+
+
+def _check_target(name: str, config_cls: Any) -> None:
+    if not (isinstance(config_cls, type) and issubclass(config_cls, TargetConfig)):
+        raise RegistryError(f"target {name!r}: expected a TargetConfig subclass, got {config_cls!r}")
+    if config_cls.target != name:
+        raise RegistryError(
+            f"target {name!r}: {config_cls.__qualname__}.target is {config_cls.target!r}; the name must match it"
+        )
+
+
+class TargetRegistry(Registry["type[TargetConfig]"]):
+    """The target registry, plus the deprecated registration by subclassing: a `TargetConfig` subclass that declares
+    a new `target` and was not registered is registered on the registry's next read, with a DeprecationWarning."""
+
+    def __init__(self) -> None:
+        super().__init__("target", group=TARGET_GROUP, check=_check_target)
+        self.pending: dict[str, type[TargetConfig]] = {}  # subclasses declaring a `target`, not yet registered
+
+    def _registered(self, name: str, obj: type[TargetConfig]) -> None:
+        if self.pending.get(name) is obj:
+            del self.pending[name]
+
+    def _ready(self) -> None:
+        super()._ready()
+        while self.pending:
+            name, config_cls = self.pending.popitem()
+            held = self._items.get(name)
+            if held is config_cls:
+                continue
+            if held is not None:
+                warnings.warn(
+                    f"{config_cls.__qualname__} declares target {name!r}, which {held.__qualname__} holds: it is not "
+                    f"registered (a subclass does not take its parent's name); give it a new `target` and "
+                    f"register_target it",
+                    UserWarning,
+                    stacklevel=3,
+                )
+                continue
+            warnings.warn(
+                f"target {name!r} ({config_cls.__qualname__}) registered by subclassing TargetConfig: deprecated; "
+                f"decorate the class with vca_patch.targets.register_target, or declare it as an entry point of "
+                f"the group {TARGET_GROUP!r} (docs/extending.md)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            self.register(name, config_cls)
+
+
+CONFIG_TYPES: TargetRegistry = TargetRegistry()
+
+
+def register_target(config_cls: type[TargetConfig]) -> type[TargetConfig]:
+    """Register `config_cls` under its `target` name (usable as a class decorator); returns it. A name another class
+    holds is refused (`RegistryError`); the same class again is a no-op."""
+    name = getattr(config_cls, "target", None)
+    return CONFIG_TYPES.register(name if isinstance(name, str) else "", config_cls)
+
+
+def unregister_target(name: str) -> type[TargetConfig]:
+    """Remove the target `name` (e.g. at a test's teardown); its config class."""
+    return CONFIG_TYPES.unregister(name)
+
+
 _SELECTION_FIELDS = {"target", "layers", "include", "exclude", "seed"}  # TargetConfig's own fields (and the key)
 
 
@@ -57,9 +124,12 @@ class TargetConfig:
     seed: int = field(default=0, kw_only=True)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Deprecated registration by subclassing: a subclass that declares its own `target` and is not registered
+        by then is registered on the registry's next read (with a DeprecationWarning). One that inherits its
+        parent's `target` (changing a default, say) is never registered: it cannot take over the parent's name."""
         super().__init_subclass__(**kwargs)
-        if cls.target:
-            CONFIG_TYPES[cls.target] = cls
+        if "target" in cls.__dict__ and cls.target and CONFIG_TYPES._items.get(cls.target) is not cls:
+            CONFIG_TYPES.pending[cls.target] = cls
 
     def __post_init__(self) -> None:
         self.validate()
@@ -143,14 +213,15 @@ class TargetConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TargetConfig:
-        """Build the config named by data["target"] (or this class's), rejecting unknown keys."""
+        """Build the config named by data["target"] (or this class's), rejecting unknown keys. On a registered
+        target's class (or a subclass of it, which keeps its parent's name) the target must be its own."""
         data = dict(data)
         target = data.pop("target", cls.target)
-        config_cls = CONFIG_TYPES.get(target)
-        if config_cls is None:
-            raise ConfigError(f"unknown target {target!r}; known: {sorted(CONFIG_TYPES)}")
-        if cls.target and config_cls is not cls:
+        if cls.target and target != cls.target:
             raise ConfigError(f"config is for target {target!r}, not {cls.target!r}")
+        config_cls = cls if cls.target else CONFIG_TYPES.get(target)
+        if config_cls is None:
+            raise ConfigError(CONFIG_TYPES.unknown(str(target)))
         known = {f.name for f in dataclasses.fields(config_cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -341,15 +412,25 @@ class PlanSpace:
         raise NotImplementedError
 
 
-PLAN_SPACES: dict[str, PlanSpace] = {}
+def _check_plan_space(name: str, space: Any) -> None:
+    if not isinstance(space, PlanSpace) or space.target != name:
+        raise RegistryError(f"plan space {name!r}: expected a PlanSpace whose target is {name!r}, got {space!r}")
+    if not CONFIG_TYPES.holds(name):  # no discovery: plan spaces register while their package is imported
+        raise ConfigError(f"plan space for unknown target {name!r}; known: {sorted(CONFIG_TYPES._items)}")
+
+
+PLAN_SPACES: Registry[PlanSpace] = Registry("plan space", check=_check_plan_space)
 
 
 def register_plan_space(space: PlanSpace) -> PlanSpace:
-    """Register `space` (its `target` must be a registered target) as the planner's search space for that target."""
-    if space.target not in CONFIG_TYPES:
-        raise ConfigError(f"plan space for unknown target {space.target!r}; known: {sorted(CONFIG_TYPES)}")
-    PLAN_SPACES[space.target] = space
-    return space
+    """Register `space` (its `target` must be a registered target) as the planner's search space for that target;
+    a target holds one plan space (`unregister_plan_space` it first to replace it)."""
+    return PLAN_SPACES.register(space.target, space)
+
+
+def unregister_plan_space(target: str) -> PlanSpace:
+    """Remove the plan space of `target`; the space."""
+    return PLAN_SPACES.unregister(target)
 
 
 def plan_space(target: str | None = None) -> PlanSpace:

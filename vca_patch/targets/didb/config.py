@@ -9,7 +9,7 @@ from torch import nn
 
 from vca_patch.core.errors import ConfigError
 from vca_patch.layers.carried import CarriedAttention
-from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.base import TargetConfig, register_target
 from vca_patch.targets.didb.attention import DIDBAttention
 from vca_patch.targets.didb.binary import BinaryLinear
 from vca_patch.targets.didb.block import find_mlp
@@ -25,6 +25,7 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+@register_target
 @dataclass
 class DIDBConfig(TargetConfig):
     """Configuration of a DIDB-ViT binarisation patch (arXiv 2507.02222; README "DIDB-ViT").

@@ -8,12 +8,13 @@ from typing import Any, ClassVar
 from vca_patch.core.errors import ConfigError
 from vca_patch.layers.carried import CarriedAttention
 from vca_patch.layers.staged_carry import CarriedWindowAttention
-from vca_patch.targets.base import TargetConfig, is_int
+from vca_patch.targets.base import TargetConfig, is_int, register_target
 from vca_patch.targets.mano import card
 from vca_patch.targets.mano.layer import MultipoleAttention
 from vca_patch.targets.mano.windowed import build_window_mano
 
 
+@register_target
 @dataclass
 class MANOConfig(TargetConfig):
     """Configuration of a Multipole Attention (MANO) patch (docs/mano.md).

@@ -9,7 +9,7 @@ from torch import nn
 
 from vca_patch.core.errors import ConfigError
 from vca_patch.layers.carried import CarriedAttention
-from vca_patch.targets.base import RecipeOptions, TargetConfig
+from vca_patch.targets.base import RecipeOptions, TargetConfig, register_target
 from vca_patch.targets.mano.config import MANOConfig
 from vca_patch.targets.mano.layer import MultipoleAttention
 from vca_patch.targets.merge.attention import MergingAttention
@@ -46,6 +46,7 @@ def _int_keys(name: str, mapping: Any) -> dict[int, int]:
     return out
 
 
+@register_target
 @dataclass
 class MergeConfig(TargetConfig):
     """Token merging (ToMe, Bolya et al., ICLR 2023): bipartite soft matching between attention and MLP.

@@ -13,7 +13,7 @@ from vca_patch.core.errors import ConfigError
 from vca_patch.layers.carried import CarriedAttention
 from vca_patch.layers.joint_carry import CarriedJointAttention, CarriedSingleStreamAttention
 from vca_patch.layers.staged_carry import StagedCarriedAttention, default_stage_contrast_tokens
-from vca_patch.targets.base import RecipeOptions, TargetConfig, is_int
+from vca_patch.targets.base import RecipeOptions, TargetConfig, is_int, register_target
 from vca_patch.targets.vca import calibrate as calibration
 from vca_patch.targets.vca import card, fused_cpu, training
 from vca_patch.targets.vca import recipe as recipe_keys
@@ -23,6 +23,7 @@ from vca_patch.targets.vca.layer import VisualContrastAttention
 from vca_patch.targets.vca.neighbourhood import is_local_window
 
 
+@register_target
 @dataclass
 class VCAConfig(TargetConfig):
     """Configuration of a Visual-Contrast Attention patch.
