@@ -1,5 +1,6 @@
 """vca-patch: convert pretrained vision transformers to Visual-Contrast Attention."""
 
+from vca_patch import _startup  # noqa: F401  first: the CLI's signals while importing (seconds) are one line
 from vca_patch._version import __version__
 from vca_patch.checkpoint import save_pretrained
 from vca_patch.core.errors import ConfigError

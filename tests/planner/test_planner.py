@@ -192,7 +192,7 @@ def test_a_plan_for_another_model_or_a_bad_file_is_refused(tmp_path):
     with pytest.raises(PlanError, match="is not a vca-patch plan"):
         load_plan(tmp_path / "bad.json")
     (tmp_path / "broken.json").write_text("{")
-    with pytest.raises(PlanError, match="not a readable plan file"):
+    with pytest.raises(PlanError, match=r"broken\.json is not valid JSON"):
         load_plan(tmp_path / "broken.json")
     with pytest.raises(PlanError, match="does not exist"):
         save_plan(tmp_path / "missing" / "plan.json", plan, {})

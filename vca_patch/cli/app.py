@@ -9,7 +9,7 @@ import typer
 
 from vca_patch.cli.bench import bench
 from vca_patch.cli.convert import convert
-from vca_patch.cli.errors import DEBUG_ENV, guarded, silence_library_warnings
+from vca_patch.cli.errors import DEBUG_ENV, guarded, prepare_process, silence_library_warnings
 from vca_patch.cli.export import export
 from vca_patch.cli.fidelity import fidelity
 from vca_patch.cli.finetune import finetune
@@ -49,4 +49,6 @@ def version() -> None:
 
 
 def main() -> None:
+    """The `vca-patch` process: signals handled and streams that print in any locale, then the command."""
+    prepare_process()
     app()

@@ -87,6 +87,7 @@ class BenchArgs:
     ] = 4096
     json_path: Annotated[Path | None, typer.Option("--json", help="Write all numbers to this JSON file")] = None
     plot: Annotated[Path | None, typer.Option(help="Write a latency/memory plot (PNG; needs matplotlib)")] = None
+    force: Annotated[bool, typer.Option("--force", help="Replace --json / --plot files that exist")] = False
     use_compile: Annotated[
         bool, typer.Option("--compile", help="Time torch.compile'd models (inductor; memory is measured eager)")
     ] = False
@@ -134,7 +135,7 @@ def _check_outputs(args: BenchArgs) -> None:
         fail(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}", 2)
     for option, out in (("--json", args.json_path), ("--plot", args.plot)):
         if out is not None:
-            check_output(out, kind="file", option=option)
+            check_output(out, kind="file", force=args.force, option=option)
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401

@@ -174,6 +174,7 @@ def convert(**options: Any) -> None:
         _convert_with_budget(args, target_values)
         return
     budget.refuse_without_budget(args, _defaults())
+    _refuse_plan_conflicts(args, target_values)
     args.to = args.to or DEFAULT_TARGET
     args.calibration_images = CALIBRATION_IMAGES if args.calibration_images is None else args.calibration_images
     if args.to == LLAVA_SP:
@@ -187,6 +188,20 @@ def convert(**options: Any) -> None:
     if args.plan is None:
         _note_if_vca_cannot_pay(args, net)
     _patch_measure_save(args, net, config, base_weights)
+
+
+def _refuse_plan_conflicts(args: ConvertArgs, target_values: dict[str, Any]) -> None:
+    """--plan says what each block becomes: --to, --layers, --include, --exclude or a target's option given with it
+    would be ignored, so they are refused (one line naming them) before any work."""
+    if args.plan is None:
+        return
+    given = [f"--to {args.to}"] if args.to is not None else []
+    given += [f"--{name}" for name in ("layers", "include", "exclude") if getattr(args, name) is not None]
+    options = {option.param: option for option in target_options()}
+    given += [options[k].flag for k, v in target_values.items() if k in options and v != options[k].default]
+    if given:
+        fail(f"--plan {args.plan} already says what each block becomes, so {', '.join(given)} would be ignored; "
+             "drop them, or drop --plan", 2)  # fmt: skip
 
 
 def _defaults() -> dict[str, Any]:

@@ -4,17 +4,25 @@ Ctrl-C into one line and exit 130. Commands raise; they do not catch and print.
 
 Exit codes: 2 for what the user gave (options, config, checkpoint, data, recipe, plan, output path); 1 for what
 could not be done with valid input (the Hub, an unknown model, weights that do not fit, a model that cannot be
-patched, training that diverged) and for internal errors; 130 for an interrupt (Ctrl-C), 143 for SIGTERM, which
-is handled like Ctrl-C: it raises KeyboardInterrupt in the main thread, so staging folders are removed, locks
-released and a finetune's metrics.json marked interrupted with its resume step. A command `hold`s context managers
-(an output folder's lock) for its whole run: they are released when it ends, however it ends."""
+patched, training that diverged) and for internal errors; 130 for an interrupt (Ctrl-C), 143 for SIGTERM and 129
+for SIGHUP, which are handled like Ctrl-C: they raise KeyboardInterrupt in the main thread, so staging folders are
+removed, locks released and a finetune's metrics.json marked interrupted with its resume step. A command `hold`s
+context managers (an output folder's lock) for its whole run: they are released when it ends, however it ends.
+
+Faults of the operating system that a user can fix (a full disk, a file-size limit, a name too long, no permission,
+a read-only file system, a dangling link, a closed or full standard output) are one `error:` line too, saying what
+happened and what to do (`os_fault`); a locale that cannot encode "·" or "×" gets ASCII stand-ins (`prepare_process`).
+"""
 
 from __future__ import annotations
 
+import codecs
 import contextlib
+import errno
 import functools
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -33,34 +41,51 @@ DEBUG_ENV = "VCA_PATCH_DEBUG"
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread so that it unwinds like Ctrl-C."""
+    """SIGTERM or SIGHUP, raised in the main thread so that it unwinds like Ctrl-C; exit 128 + `signum`."""
+
+    def __init__(self, message: str = "terminated (SIGTERM)", signum: int = signal.SIGTERM) -> None:
+        super().__init__(message)
+        self.signum = signum
 
 
-_terminating = False  # set by the SIGTERM handler: the exit code is 143, a second SIGTERM is ignored during cleanup
+# The signals that stop a command like Ctrl-C (SIGINT raises KeyboardInterrupt by itself), and their lines.
+TERMINATING = {signal.SIGTERM: "terminated (SIGTERM)"}
+if hasattr(signal, "SIGHUP"):
+    TERMINATING[signal.SIGHUP] = "terminated (SIGHUP: the terminal or session closed)"
+
+_terminated_by: int | None = None  # set by the handler: the exit code is 128 + it; a second signal is ignored
 _scopes: list[contextlib.ExitStack] = []  # the running command's held context managers
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    global _terminating
-    if _terminating:
+def _on_terminate(signum: int, frame: Any) -> None:
+    global _terminated_by
+    if _terminated_by is not None:
         return  # already unwinding: let the cleanup finish (SIGKILL still stops the process)
-    _terminating = True
-    raise Terminated("terminated (SIGTERM)")
+    _terminated_by = signum
+    raise Terminated(TERMINATING.get(signum, f"terminated (signal {signum})"), signum)
+
+
+def install_signal_handlers() -> dict[int, Any]:
+    """SIGTERM and SIGHUP raise `Terminated` in the main thread, SIGINT KeyboardInterrupt (Python's own); the
+    handlers they replace. Outside the main thread nothing is changed ({})."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {signum: signal.signal(signum, _on_terminate) for signum in TERMINATING}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+    return previous
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM raises Terminated in the main thread for the block (the previous handler restored after it)."""
-    global _terminating
-    _terminating = False
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+def _signals_as_interrupt() -> Any:
+    """SIGINT, SIGTERM and SIGHUP raise in the main thread for the block (the previous handlers restored after)."""
+    global _terminated_by
+    _terminated_by = None
+    previous = install_signal_handlers()
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 def hold(manager: AbstractContextManager) -> Any:
@@ -117,7 +142,8 @@ def _run_errors() -> tuple[type[BaseException], ...]:
 def exit_code(exc: BaseException) -> int | None:
     """The exit code of one of vca-patch's own errors; None for any other exception."""
     if isinstance(exc, KeyboardInterrupt):
-        return 143 if _terminating or isinstance(exc, Terminated) else 130
+        signum = exc.signum if isinstance(exc, Terminated) else _terminated_by
+        return 130 if signum is None else 128 + signum
     try:
         from vca_patch.hub.errors import InvalidRepoIdError
 
@@ -150,27 +176,213 @@ def _worker_message(text: str) -> str:
 
 def report(exc: BaseException) -> int:
     """Print one line for `exc` on stderr (the stack first with --debug) and return its exit code."""
-    from vca_patch.cli.common import err_console
-
     if debug_enabled():
-        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        with contextlib.suppress(OSError):
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     code = exit_code(exc)
+    fault = os_fault(exc) if code is None else None
+    if isinstance(exc, StdoutError):
+        _discard_stdout()  # what is still buffered for it would fail again when Python exits
     if isinstance(exc, KeyboardInterrupt):
-        message = str(exc).strip() or "interrupted (Ctrl-C)"
-        err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+        _print_error("error:", str(exc).strip() or "interrupted (Ctrl-C)")
     elif code is not None:
-        message = _worker_message(str(exc).strip()) or type(exc).__name__
-        err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+        _print_error("error:", _worker_message(str(exc).strip()) or type(exc).__name__)
+    elif fault is not None:
+        code, message = fault
+        _print_error("error:", message)
     else:
         code = 1
         hint = "" if debug_enabled() else "; rerun with --debug to see where (and please report it)"
         detail = _line(str(exc)) or "(no message)"
-        err_console.print(
-            f"[bold red]internal error:[/] {escape(type(exc).__name__)}: {escape(detail)}{hint}",
-            highlight=False,
-            soft_wrap=True,
-        )
+        _print_error("internal error:", f"{type(exc).__name__}: {detail}{hint}")
     return code
+
+
+def _print_error(label: str, message: str) -> None:
+    """`label message` as one line on stderr; a stderr that cannot be written (closed, full, a terminal gone with
+    SIGHUP) loses the line but never raises from the error boundary itself."""
+    from vca_patch.cli.common import err_console
+
+    with contextlib.suppress(OSError):
+        err_console.print(f"[bold red]{label}[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+# -- operating-system faults ---------------------------------------------------------------------------------------
+
+_REMOVED = "; any partial output was removed"
+_PATH_SHOWN = 120  # characters of a path in a message (a 4096-byte one is cut in the middle)
+# errno -> (exit code, what happened, what to do): faults of the machine (space, size limits) exit 1, of the path
+# the user gave (its name, permissions, file system) exit 2.
+OS_FAULTS: dict[int, tuple[int, str, str]] = {
+    errno.ENOSPC: (1, "no space left on the device", "free space there, or write to another disk, and run again"),
+    errno.EDQUOT: (1, "disk quota exceeded", "free space within your quota, or write to another disk"),
+    errno.EFBIG: (1, "a file grew past the largest size allowed (a file-size limit, `ulimit -f`, or the file "
+                  "system's maximum)", "raise the limit (`ulimit -f unlimited`) or write to another file system"),
+    errno.ENAMETOOLONG: (2, "file name too long (at most 255 bytes a name and 4096 a path on most file systems)",
+                         "choose a shorter name or a shorter path"),
+    errno.EACCES: (2, "permission denied", "choose a file or folder you may read and write, or change its "
+                   "permissions"),
+    errno.EPERM: (2, "operation not permitted", "choose a file or folder you own, or change its permissions"),
+    errno.EROFS: (2, "the file system is read-only", "write to a folder on a writable file system"),
+    errno.ELOOP: (2, "too many levels of symbolic links (a link loop)", "fix or remove the link"),
+    errno.EIO: (1, "input/output error (a failing disk, a removed drive or a lost network mount)",
+                "check the device and run again"),
+}  # fmt: skip
+_RUST_ERRNO = re.compile(r"\(os error (\d+)\)")  # safetensors (Rust) says "I/O error: ... (os error 27)"
+
+
+def _fault_errno(exc: BaseException) -> int | None:
+    """The errno of an OSError, or of a library's I/O error that names one in its text (safetensors)."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return exc.errno
+    found = _RUST_ERRNO.search(str(exc)) if type(exc).__name__ == "SafetensorError" else None
+    return int(found.group(1)) if found else None
+
+
+def _short_path(path: Any) -> str:
+    """A path for one line: as given, or its start and its end when longer than `_PATH_SHOWN` characters."""
+    text = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path)
+    if len(text) <= _PATH_SHOWN:
+        return text
+    return f"{text[:50]}...{text[-50:]} ({len(os.fsencode(text))} bytes)"
+
+
+def _dangling(path: Any) -> str | None:
+    """The target of `path` when it is a symbolic link to nothing, else None."""
+    try:
+        if os.path.islink(path) and not os.path.exists(path):
+            return os.readlink(path)
+    except (OSError, TypeError, ValueError):
+        pass
+    return None
+
+
+def os_fault(exc: BaseException) -> tuple[int, str] | None:
+    """(exit code, one line) for a fault of the operating system a user can fix, or None (a bug stays an internal
+    error): the errnos of `OS_FAULTS`, a dangling symbolic link, standard output closed or full (`StdoutError`)."""
+    if isinstance(exc, StdoutError):
+        return 1, _stdout_message(exc)
+    code = _fault_errno(exc)
+    filename = getattr(exc, "filename", None)
+    where = f": {_short_path(filename)}" if filename is not None else ""
+    if code == errno.ENOENT and filename is not None and _dangling(filename) is not None:
+        return 2, (f"{_short_path(filename)} is a symbolic link to {_dangling(filename)}, which does not exist; "
+                   "fix the link or name another path")  # fmt: skip
+    if code not in OS_FAULTS:
+        return None
+    status, what, todo = OS_FAULTS[code]
+    return status, f"{what}{where}; {todo}{_REMOVED}"
+
+
+# -- standard output and the locale ------------------------------------------------------------------------------
+
+
+class StdoutError(OSError):
+    """Standard output could not be written: its reader closed the pipe (`| head`), or its device is full.
+    `finished`: the command had done its work (the fault came when its last output was flushed)."""
+
+    finished = False
+
+
+def _stdout_message(exc: StdoutError) -> str:
+    """What happened to standard output, whether the command's work was kept, and what to do."""
+    if exc.errno == errno.EPIPE:
+        what = "standard output was closed by its reader (e.g. `| head`) before vca-patch finished printing"
+        todo = "pipe it to a reader that reads to the end, or redirect it to a file"
+    else:
+        reason = OS_FAULTS[exc.errno][1] if exc.errno in OS_FAULTS else (exc.strerror or "an I/O error")
+        what = f"cannot write to standard output: {reason} (e.g. `> /dev/full`)"
+        todo = "redirect it to a file on a disk with space, or to /dev/null"
+    done = "the command finished; what it printed last was lost" if exc.finished else f"the command stopped{_REMOVED}"
+    return f"{what}: {done}; {todo}"
+
+
+class _GuardedStdout:
+    """sys.stdout whose write and flush faults are `StdoutError`s, so that the boundary can tell a full or closed
+    standard output from a file that could not be written (both raise a bare OSError without a file name)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            raise StdoutError(exc.errno, exc.strerror) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            raise StdoutError(exc.errno, exc.strerror) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _stdout_guarded() -> Any:
+    """sys.stdout guarded (`_GuardedStdout`) for the block, then flushed (a fault raised there too)."""
+    original = sys.stdout
+    if original is None or isinstance(original, _GuardedStdout):
+        yield
+        return
+    sys.stdout = _GuardedStdout(original)
+    try:
+        yield
+        try:
+            sys.stdout.flush()  # what is still buffered fails here, inside the boundary, not at exit
+        except StdoutError as exc:
+            exc.finished = True
+            raise
+    finally:
+        sys.stdout = original
+
+
+def _discard_stdout() -> None:
+    """Point standard output's descriptor at /dev/null, so that the flush at exit neither fails nor prints."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a captured stream (tests): nothing to redirect
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
+
+
+ASCII_STAND_INS = {"·": ".", "×": "x", "–": "-", "—": "-", "−": "-", "…": "...", "≈": "~", "≤": "<=", "≥": ">=",
+                   "±": "+/-", "→": "->", "←": "<-", "²": "^2", "³": "^3", "µ": "u", "λ": "lambda", "✓": "ok",
+                   "✗": "x", "°": " deg", "’": "'", "‘": "'", "“": '"', "”": '"'}  # fmt: skip
+ASCII_ERRORS = "vca-patch-ascii"
+
+
+def _ascii_stand_in(exc: UnicodeError) -> tuple[str, int]:
+    """A codec error handler: characters the stream's encoding lacks become ASCII stand-ins ("×" -> "x"), else "?"."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    text = exc.object[exc.start : exc.end]
+    return "".join(ASCII_STAND_INS.get(char, "?") for char in text), exc.end
+
+
+codecs.register_error(ASCII_ERRORS, _ascii_stand_in)
+
+
+def encode_safely(stream: Any) -> None:
+    """Let `stream` (stdout, stderr) print any text: in a locale whose encoding lacks a character (LC_ALL=C,
+    PYTHONIOENCODING=ascii), it is written as an ASCII stand-in instead of raising UnicodeEncodeError."""
+    encoding = (getattr(stream, "encoding", None) or "").lower().replace("_", "-")
+    if encoding.startswith("utf") or not hasattr(stream, "reconfigure"):
+        return
+    with contextlib.suppress(ValueError, OSError):  # a stream that cannot be reconfigured keeps its errors
+        stream.reconfigure(errors=ASCII_ERRORS)
+
+
+def prepare_process() -> None:
+    """For the `vca-patch` process: SIGTERM and SIGHUP handled like Ctrl-C from now on (also between commands'
+    start-up and their boundary) and standard streams that print in any locale."""
+    install_signal_handlers()
+    encode_safely(sys.stdout)
+    encode_safely(sys.stderr)
 
 
 def guarded(command: F) -> F:
@@ -179,7 +391,7 @@ def guarded(command: F) -> F:
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            with _sigterm_as_interrupt(), contextlib.ExitStack() as scope:
+            with _signals_as_interrupt(), _stdout_guarded(), contextlib.ExitStack() as scope:
                 _scopes.append(scope)
                 try:
                     return command(*args, **kwargs)

@@ -131,6 +131,7 @@ class FidelityArgs:
     ] = None
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the per-layer errors (needs matplotlib)")] = None
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the full report as JSON")] = None
+    force: Annotated[bool, typer.Option("--force", help="Replace --json / --plot files that exist")] = False
     device: Annotated[str, typer.Option(help=f"Where to run both models: {DEVICE_HELP}")] = "auto"
     dtype: Annotated[str, typer.Option(help=f"{DTYPE_HELP} of both models (errors are summed in float64)")] = "float32"
 
@@ -161,7 +162,7 @@ def _check_options(args: FidelityArgs) -> None:
     inputs = {"checkpoint": args.checkpoint, "--original checkpoint": args.original, "--data": args.data}
     for option, out in (("--json", args.json_out), ("--plot", args.plot)):
         if out is not None:
-            check_output(out, inputs, kind="file", option=option)
+            check_output(out, inputs, kind="file", force=args.force, option=option)
     if args.json_out is not None and args.plot is not None and args.json_out.resolve() == args.plot.resolve():
         fail(f"--json and --plot are the same file {args.json_out}; name two files", 2)
 

@@ -59,6 +59,16 @@ def file_kind(path: Path | str) -> str | None:
     return next((words for test, words in kinds if test(mode)), "a special file")
 
 
+def physical(path: Path | str) -> Path:
+    """`path` made absolute as the file system resolves it: its folder's links and ".." followed in order (so
+    "link/../out" is beside the link's target, not beside the link), the last component kept as given (a link
+    stays the link)."""
+    path = Path(path)
+    if path.name in ("", ".", ".."):  # "a/.." names no entry of its own: the folder it resolves to
+        return Path(os.path.realpath(path))
+    return Path(os.path.realpath(path.parent)) / path.name
+
+
 def _real(path: Path | str) -> Path:
     return Path(os.path.realpath(os.path.abspath(path)))
 
@@ -177,7 +187,7 @@ def check_output_dir(path: Path | str, *, overwrite: bool) -> None:
     (`protected_reason`), and a non-empty folder holding anything but a vca-patch output (`unowned_entries`):
     --force replaces what vca-patch wrote, never a user's files. Without `overwrite`, any non-empty folder."""
     given = Path(path)
-    path = Path(os.path.abspath(given))  # as staged_directory names it: "a/.." has no name of its own
+    path = physical(given)  # as staged_directory names it: "a/.." has no name of its own
     kind = file_kind(path)
     if kind == "a symbolic link":
         raise UnsafeOutputError(f"output {given} is a symbolic link to {os.path.realpath(path)}; it is never followed "
@@ -204,7 +214,7 @@ def _check_replaceable(given: Path, path: Path, *, overwrite: bool) -> None:
                     "--force replaces only an empty folder or a vca-patch output, so choose a new folder")  # fmt: skip
     if not overwrite:
         raise OutputExistsError(f"{given} is not empty (it holds a vca-patch output); choose another folder or "
-                                "pass --force (overwrite=True) to replace it")  # fmt: skip
+                                "pass --force (in Python: overwrite=True) to replace it")  # fmt: skip
 
 
 def check_output_outside_inputs(output: Path, inputs: Mapping[str, Path | None], *, replaces: bool) -> None:
@@ -296,12 +306,12 @@ def atomic_file(path: Path | str, *, suffix: str = "") -> Iterator[Path]:
 
 @contextmanager
 def signals_deferred() -> Iterator[None]:
-    """Hold off Ctrl-C and SIGTERM for the block (they are delivered, and raise, right after it): a cleanup that
-    an interrupt would leave half done (a staging folder half removed) runs to its end."""
+    """Hold off Ctrl-C, SIGTERM and SIGHUP for the block (they are delivered, and raise, right after it): a cleanup
+    that an interrupt would leave half done (a staging folder half removed) runs to its end."""
     if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
     try:
         yield
     finally:
@@ -317,7 +327,7 @@ def staged_directory(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
     the cleanup run with interrupts held off until they are done). The current folder (or one holding it) is
     refused: it cannot be renamed away safely.
     """
-    dest = Path(os.path.abspath(dest))  # "." or "a/.." have no name of their own; a symlink stays the link
+    dest = physical(dest)  # "." or "a/.." have no name of their own; a symlink stays the link
     check_output_dir(dest, overwrite=overwrite)
     if not dest.parent.is_dir():  # missing parents are never made: a typo would scatter folders
         raise UnsafeOutputError(f"cannot write {dest}: folder {dest.parent} does not exist (create it first)")

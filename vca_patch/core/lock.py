@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from vca_patch.core.atomic import UnsafeOutputError
+from vca_patch.core.atomic import UnsafeOutputError, physical
 
 
 class OutputLockedError(UnsafeOutputError):
@@ -25,7 +25,7 @@ class OutputLockedError(UnsafeOutputError):
 
 def lock_path(output: Path | str) -> Path:
     """The lock file of `output`: `.NAME.lock` in its parent folder."""
-    output = Path(os.path.abspath(output))
+    output = physical(output)  # the folder the output lands in, as the file system resolves it
     return output.parent / f".{output.name}.lock"
 
 

@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Literal
 
-from vca_patch.core.atomic import OutputExistsError, UnsafeOutputError, file_kind
+from vca_patch.core.atomic import OutputExistsError, UnsafeOutputError, file_kind, physical
 
 
 class OutputPathError(UnsafeOutputError):
@@ -85,11 +85,25 @@ def _check_not_an_input(label: str, out: Path, inputs: Iterator[tuple[str, Path]
                                         "folder that does not contain it")  # fmt: skip
 
 
+def _first_missing(folder: Path) -> Path | None:
+    """The first component of `folder` (as given, "..", links and all) that the file system cannot find."""
+    walked = Path()
+    for part in folder.parts:
+        walked = walked / part
+        if not os.path.exists(walked):
+            return walked
+    return None
+
+
 def _check_parent(label: str, raw: Path) -> None:
-    """The output's folder exists, is a folder and is writable (missing parents are never made)."""
-    parent = Path(os.path.abspath(raw)).parent
-    if not parent.exists():
-        raise OutputPathError(f"cannot write {label}: folder {parent} does not exist (create it first)")
+    """The output's folder exists, is a folder and is writable (missing parents are never made). The path is
+    resolved as the file system resolves it: "nosuch/../out" needs nosuch, and "link/../out" is beside the link's
+    target."""
+    missing = _first_missing(raw.parent)
+    if missing is not None:  # through "..": the component that stops the walk; else the whole folder
+        shown = missing if ".." in raw.parent.parts else Path(os.path.abspath(raw)).parent
+        raise OutputPathError(f"cannot write {label}: folder {shown} does not exist (create it first)")
+    parent = physical(raw).parent
     if not parent.is_dir():
         raise OutputPathError(f"cannot write {label}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):

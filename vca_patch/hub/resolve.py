@@ -7,12 +7,12 @@ used as huggingface_hub uses it, so a cached repo loads with HF_HUB_OFFLINE=1 or
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from vca_patch.checkpoint.base_model import hub_offline_reason
 from vca_patch.checkpoint.folder import CONFIG_NAME, CheckpointError, check_checkpoint_config, weights_name
+from vca_patch.core.bounded import read_json
 from vca_patch.hub.errors import LOGIN_HINT, HubAuthError, HubUnavailableError, InvalidRepoIdError, RepoNotFoundError
 
 
@@ -121,10 +121,7 @@ def fetch_checkpoint(
     reason = hub_unreachable()
     config_path = download_file(repo_id, CONFIG_NAME, revision, cache_dir=cache_dir, token=token, reason=reason)
     where = f"{repo_id}@{revision}" if revision else repo_id
-    try:
-        meta = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{CONFIG_NAME} of {where} is not valid JSON: {exc}") from exc
+    meta = read_json(config_path, f"{CONFIG_NAME} of {where}", error=CheckpointError)  # bounded: size, nesting
     check_checkpoint_config(meta, f"{CONFIG_NAME} of {where}")
     folder = config_path.parent  # <cache>/models--org--name/snapshots/<commit>/
     if not config_only:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vca_patch.core.atomic import atomic_write_text
+from vca_patch.core.bounded import read_json
 from vca_patch.core.errors import ConfigError
 from vca_patch.planner.model_info import PlanError
 from vca_patch.targets.base import TargetConfig, plan_space
@@ -29,12 +30,7 @@ def save_plan(path: str | Path, config: TargetConfig, details: dict[str, Any]) -
 def read_plan(path: str | Path) -> dict[str, Any]:
     """The whole plan file, checked to be one."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise PlanError(f"plan file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise PlanError(f"{path} is not a readable plan file: {error}") from None
+    data = read_json(path, "plan file", error=PlanError)  # a regular file, bounded in size and nesting
     if not isinstance(data, dict) or data.get("format") != FORMAT or "config" not in data:
         raise PlanError(f"{path} is not a vca-patch plan (no \"format\": \"{FORMAT}\" with a config); make one with "
                         "`vca-patch plan`")  # fmt: skip

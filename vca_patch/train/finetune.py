@@ -34,7 +34,8 @@ __all__ = [  # card_metrics, check_data_fits, dataset_name, teacher_from: re-exp
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """A run stopped by Ctrl-C (or SIGINT): metrics.json says "interrupted"; the message says how to resume."""
+    """A run stopped by Ctrl-C, SIGTERM or SIGHUP: metrics.json says "interrupted"; the message says how to
+    resume."""
 
 
 def resume_point(output: Path) -> int | None:
@@ -43,23 +44,42 @@ def resume_point(output: Path) -> int | None:
     return None if ckpt is None else int(trainer_state(ckpt)["global_step"])
 
 
-def mark_interrupted(output: Path, *, write: bool = True) -> str:
-    """Mark output/metrics.json "interrupted" with the step `--resume` continues from; return the message."""
+def mark_interrupted(output: Path, *, write: bool = True, recipe: str | None = None) -> str:
+    """Mark output/metrics.json "interrupted" with the step `--resume` continues from; return the message. With
+    `recipe` (its name), a run stopped before its first evaluation (loading data, measuring the student) gets a
+    metrics.json that says so, rather than none."""
     step = resume_point(output)
     marked = False
-    if write and (output / "metrics.json").is_file():
-        try:
-            metrics = json.loads((output / "metrics.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            metrics = None
-        if isinstance(metrics, dict):
-            metrics.update(status="interrupted", resume_step=step)
+    if write:
+        metrics = _metrics_to_mark(output, recipe)
+        if metrics is not None:
+            metrics.update(status="interrupted", resume_step=step, interrupted_at=f"step {step or 0}")
             atomic_write_text(output / "metrics.json", json.dumps(metrics, indent=2) + "\n")
             marked = True
-    if step is None:
-        return f"interrupted before the first checkpoint; nothing to resume in {output}: run again without --resume"
     said = f"{output}/metrics.json is marked interrupted. " if marked else ""
+    if step is None:
+        said = f" ({output}/metrics.json says so)" if marked else ""
+        return f"interrupted before the first checkpoint{said}; nothing to resume: run again without --resume"
     return f"interrupted; {said}Continue with --resume: it restarts from step {step} ({latest_checkpoint(output)})"
+
+
+def _metrics_to_mark(output: Path, recipe: str | None) -> dict[str, Any] | None:
+    """output/metrics.json's content to mark; a new record for `recipe` when there is none yet (the output folder
+    made if missing; its parent must exist); None when there is nothing to mark or it cannot be read."""
+    path = output / "metrics.json"
+    if path.is_file():
+        try:
+            metrics = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        return metrics if isinstance(metrics, dict) else None
+    if recipe is None or os.path.lexists(path):
+        return None
+    try:
+        output.mkdir(exist_ok=True)
+    except OSError:
+        return None
+    return {"recipe": recipe, "status": "interrupted", "evaluations": []}
 
 
 def publish(model: nn.Module, output: Path, *, model_args: dict | None, metadata: dict[str, Any]) -> None:
@@ -97,24 +117,26 @@ def finetune(
         mixed_precision or recipe.train.mixed_precision, device=device, grad_accum=recipe.train.grad_accum
     )
     task = task_for(recipe)  # classification (images) or diffusion (latents, diffusion losses): train.tasks
-    data = task.load(converted, recipe)
-    options = RunOptions(
-        train_set=data.train_set,
-        eval_set=data.eval_set,
-        resume=resume,
-        accelerator=accelerator,
-        num_classes=data.num_classes,
-        stop_after_steps=stop_after_steps,
-        extra_metrics={"converted_from": str(converted)},
-    )
-    try:
+    data = None
+    try:  # an interrupt while loading is marked like one while training
+        data = task.load(converted, recipe)
+        options = RunOptions(
+            train_set=data.train_set,
+            eval_set=data.eval_set,
+            resume=resume,
+            accelerator=accelerator,
+            num_classes=data.num_classes,
+            stop_after_steps=stop_after_steps,
+            extra_metrics={"converted_from": str(converted)},
+        )
         result = run_recipe(data.student, data.teacher, recipe, output, options)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the CLI raises KeyboardInterrupt for it)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM / SIGHUP (the CLI raises KeyboardInterrupt for them)
         with signals_deferred():  # a second signal must not stop the marking half way
-            message = mark_interrupted(output, write=accelerator.is_main_process)
+            message = mark_interrupted(output, write=accelerator.is_main_process, recipe=recipe.name)
         raise TrainingInterrupted(message) from None
     finally:
-        _report_skipped(data.train_set, data.eval_set)
+        if data is not None:
+            _report_skipped(data.train_set, data.eval_set)
     if result.completed and accelerator.is_main_process:
         publish_result(task, result, recipe, converted, output)
     accelerator.wait_for_everyone()

@@ -296,5 +296,5 @@ def test_fidelity_cli_reports_layer_and_prediction_errors_of_a_diffusion_checkpo
     assert 0.01 < report["prediction_error"] < 1.0  # conversion alone: measured 0.10 on this tiny DiT
 
     torch.save(torch.randn(2, 3, 16, 16), data / "bad.pt")
-    result = CliRunner().invoke(app, [*args, "--data", str(data)])
+    result = CliRunner().invoke(app, [*args, "--data", str(data), "--force"])  # --json f.json exists now
     assert result.exit_code == 2 and "bad.pt" in result.output

@@ -10,12 +10,13 @@ fails at once with one line that says what to pass instead.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from vca_patch.core.bounded import read_json
+from vca_patch.core.errors import ConfigError
 from vca_patch.core.hub_access import HubUnavailableError, UnknownModelError, hub_offline_reason, is_hub_id
 from vca_patch.core.install import install_hint
 from vca_patch.core.weights import load_state_dict_checked, read_state_dict
@@ -38,8 +39,8 @@ def _not_loadable(message: str) -> Exception:
 def _diffusers_config(path: Path) -> dict[str, Any] | None:
     """A diffusers model config.json (it names `_class_name` and `_diffusers_version`), else None."""
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
+        config = read_json(path, "diffusers config")  # bounded: a huge or deep file is no diffusers config
+    except ConfigError:
         return None
     if isinstance(config, dict) and "_class_name" in config and "_diffusers_version" in config:
         return config

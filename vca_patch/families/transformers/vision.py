@@ -10,12 +10,14 @@ and named, and verification runs against softmax attention that adds it.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 from typing import Any
 
 import torch
 from torch import nn
 
+from vca_patch.core.hub_access import is_hub_id
 from vca_patch.families.base import AttentionSite, ModelAdapter, SkippedSite, attention_dropout_note
 from vca_patch.families.call_shims import TokensOnly, TupleOutput
 from vca_patch.families.timm.vit import reference_biased_attention
@@ -304,7 +306,7 @@ class HFVisionAdapter(ModelAdapter):
             "library": "transformers",
             "architecture": type(model).__name__,
             "config": model.config.to_dict(),
-            "hf_hub_id": name if name and re.fullmatch(r"[\w.-]+/[\w.-]+", name) else None,
+            "hf_hub_id": name if is_hub_id(name) and not os.path.exists(name) else None,  # ./m, ../m: local
             "license": None,
         }
 

@@ -14,7 +14,7 @@ from vca_patch.checkpoint import from_pretrained
 from vca_patch.core.model_io import model_input_size
 from vca_patch.data import DatasetError, build_dataset
 from vca_patch.train.evaluation import evaluate
-from vca_patch.train.recipe import Recipe
+from vca_patch.train.recipe import Recipe, RecipeError
 from vca_patch.train.tasks.base import Task, TaskData, register_task, teacher_from
 
 
@@ -58,6 +58,17 @@ def card_metrics(metrics: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
     return out
 
 
+def check_image_size(recipe: Recipe, height: int, converted: Path) -> None:
+    """A recipe's data.img_size that is not the model's input size is refused before any data is read: the model
+    would be trained at a size it does not run at (null: the model's own size)."""
+    size = recipe.data.img_size
+    if size is not None and size != height:
+        raise RecipeError(
+            f"recipe {recipe.name!r}: data.img_size is {size} px, but the converted model {converted} takes {height} "
+            f"px; set data.img_size: {height}, or null (the model's own size)"
+        )
+
+
 @register_task("classification")
 class ClassificationTask(Task):
     """Images from the recipe's data block; the engine's built-in attention_transfer and distill losses."""
@@ -66,6 +77,7 @@ class ClassificationTask(Task):
         student = from_pretrained(converted)
         teacher = teacher_from(student)
         _, height, _ = model_input_size(student)
+        check_image_size(recipe, height, converted)
         model_cfg = dict(getattr(student, "pretrained_cfg", None) or {})
         model_cfg["input_size"] = model_input_size(student)
         train_set = build_dataset(recipe.data, "train", training=True, img_size=height, model_cfg=model_cfg)
