@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -11,6 +10,7 @@ import typer
 from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 
+from vca_patch.cli.narrow import env_console_width, fit_tables, floor_typer_width
 from vca_patch.core.sizes import (
     MAX_IMG_SIZE,
     SizeError,
@@ -22,16 +22,17 @@ from vca_patch.core.sizes import (
 
 
 class StdoutConsole(Console):
-    """A console whose width is read at each print: COLUMNS if set, else the terminal's width; piped or captured
-    without COLUMNS, 160 columns (no terminal to fit, so tables are not squeezed into rich's default 80)."""
+    """A console whose width is read at each print: COLUMNS if a positive number, else the terminal's width; piped
+    or captured without COLUMNS, 160 columns (no terminal to fit, so tables are not squeezed into rich's default
+    80); never below 20. A table too wide for it prints as a listing, one row a line (`cli/narrow.py`)."""
 
     @property
     def size(self) -> ConsoleDimensions:
-        dims = super().size
-        columns = os.environ.get("COLUMNS", "")
-        if columns.isdigit():
-            return ConsoleDimensions(int(columns), dims.height)
-        return dims if self.is_terminal else ConsoleDimensions(160, dims.height)
+        return ConsoleDimensions(env_console_width(self.is_terminal), super().size.height)
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        fitted, listed = fit_tables(self, objects)
+        super().print(*fitted, **({**kwargs, "soft_wrap": True} if listed else kwargs))
 
 
 def stdout_console() -> Console:
@@ -40,7 +41,8 @@ def stdout_console() -> Console:
 
 
 console = stdout_console()
-err_console = Console(stderr=True)
+err_console = StdoutConsole(stderr=True)  # COLUMNS=0 or 1 must not swallow an error line
+floor_typer_width()  # typer's usage errors and --help too
 
 if TYPE_CHECKING:
     import torch
