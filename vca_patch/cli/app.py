@@ -49,6 +49,10 @@ def version() -> None:
 
 
 def main() -> None:
-    """The `vca-patch` process: signals handled and streams that print in any locale, then the command."""
+    """The `vca-patch` process: signals handled, streams that print in any locale and bounded Hub timeouts (where the
+    user set none), then the command."""
+    from vca_patch.core.hub_access import set_hub_timeout_defaults
+
     prepare_process()
+    set_hub_timeout_defaults()
     app()

@@ -180,7 +180,7 @@ def report(exc: BaseException) -> int:
         with contextlib.suppress(OSError):
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     code = exit_code(exc)
-    fault = os_fault(exc) if code is None else None
+    fault = (os_fault(exc) or _network_fault(exc)) if code is None else None
     if isinstance(exc, StdoutError):
         _discard_stdout()  # what is still buffered for it would fail again when Python exits
     if isinstance(exc, KeyboardInterrupt):
@@ -272,6 +272,15 @@ def os_fault(exc: BaseException) -> tuple[int, str] | None:
         return None
     status, what, todo = OS_FAULTS[code]
     return status, f"{what}{where}; {todo}{_REMOVED}"
+
+
+def _network_fault(exc: BaseException) -> tuple[int, str] | None:
+    """(1, one line naming the endpoint) for a connection error or timeout a library raised on the way to the Hub
+    (or another endpoint), or None."""
+    from vca_patch.core.hub_access import network_failure
+
+    message = network_failure(exc)
+    return None if message is None else (1, message)
 
 
 # -- standard output and the locale ------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from vca_patch.core.hub_access import bound_hub_timeouts, network_failure
 from vca_patch.hub.errors import LOGIN_HINT, HubAuthError, HubError, HubUnavailableError
 from vca_patch.hub.resolve import hub_unreachable
 
@@ -36,6 +37,7 @@ def upload_stage(
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
+    bound_hub_timeouts()  # create_repo and upload_folder send no timeout of their own
     api = HfApi(token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
@@ -55,10 +57,11 @@ def upload_stage(
                 f"the Hub refused the token (HTTP {status}): it needs write access to {repo_id}; {LOGIN_HINT}"
             ) from None
         raise HubError(f"push to {repo_id} failed: {exc}") from exc
-    except (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled) as exc:
-        raise HubUnavailableError(
-            f"push to {repo_id} failed, the Hub is unreachable ({exc}); nothing local was changed"
-        ) from exc
+    except OfflineModeIsEnabled as exc:
+        raise HubUnavailableError(f"push to {repo_id} failed: {exc}; nothing local was changed") from exc
+    except httpx2.TransportError as exc:  # a connection refused or lost, a timeout
+        why = network_failure(exc) or f"the Hub is unreachable ({exc})"
+        raise HubUnavailableError(f"push to {repo_id} failed: {why}; nothing local was changed") from exc
     return info.commit_url
 
 

@@ -12,7 +12,13 @@ from typing import Any
 
 from torch import nn
 
-from vca_patch.core.hub_access import HubUnavailableError, UnknownModelError, hub_offline_reason, offline_error
+from vca_patch.core.hub_access import (
+    HubUnavailableError,
+    UnknownModelError,
+    hub_cache_only,
+    hub_offline_reason,
+    offline_error,
+)
 from vca_patch.core.weights import load_state_dict_checked, read_state_dict
 from vca_patch.families.timm.guard import check_timm_model_args
 
@@ -67,8 +73,9 @@ def _create(name: str, pretrained: bool, model_args: dict[str, Any]) -> nn.Modul
     if name.startswith(HUB_PREFIX):
         reason = hub_offline_reason()
         if reason:
-            try:  # a Hub model already in the local cache still loads offline
-                return timm.create_model(name, pretrained=pretrained, **model_args)
+            try:  # a Hub model already in the local cache still loads offline (no request to an unreachable Hub)
+                with hub_cache_only():
+                    return timm.create_model(name, pretrained=pretrained, **model_args)
             except Exception as exc:
                 raise offline_error(f"the config of {name}", reason) from exc
     return timm.create_model(name, pretrained=pretrained, **model_args)
