@@ -27,7 +27,7 @@ runner = CliRunner()
 
 def photos(folder, count: int, seed: int) -> None:
     """`count` random RGB images of another size than RES (the loader resizes and crops them)."""
-    folder.mkdir()
+    folder.mkdir(parents=True)
     rng = np.random.default_rng(seed)
     for i in range(count):
         Image.fromarray(rng.integers(0, 255, (140, 150, 3), dtype=np.uint8)).save(folder / f"{i}.png")
@@ -39,6 +39,12 @@ def steady_timing(monkeypatch):
         yield
 
 
+def image_folders(tmp_path) -> None:
+    """calibration/ and evaluation/ (2 images each) and a recipe's train/photos/ (5 images), none shared."""
+    for name, count, seed in (("calibration", 2, 0), ("evaluation", 2, 1), ("train/photos", 5, 2)):
+        photos(tmp_path / name, count, seed=seed)
+
+
 def one_error_line(output: str) -> str:
     lines = [line for line in output.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), output
@@ -46,9 +52,7 @@ def one_error_line(output: str) -> str:
 
 
 def test_convert_budget_saves_a_checkpoint_that_reloads_with_the_measured_outputs(tmp_path, steady_timing):
-    (tmp_path / "train").mkdir()
-    for name, count, seed in (("calibration", 2, 0), ("evaluation", 2, 1), ("train/photos", 5, 2)):
-        photos(tmp_path / name, count, seed=seed)
+    image_folders(tmp_path)
     out = tmp_path / "fast"
     result = runner.invoke(app, [
         "convert", MODEL, "--no-pretrained", "--resolution", str(RES), "--budget", "0.9", "--calibration-data",
@@ -169,9 +173,7 @@ VCA_RES = 256  # 257 tokens: where VCA may pay
 
 
 def test_convert_budget_with_a_recipe_recovers_a_plan_with_vca_blocks(tmp_path, steady_timing):
-    (tmp_path / "train").mkdir()
-    for name, count, seed in (("calibration", 2, 0), ("evaluation", 2, 1), ("train/photos", 5, 2)):
-        photos(tmp_path / name, count, seed=seed)
+    image_folders(tmp_path)
     out = tmp_path / "fast"
     result = runner.invoke(app, [
         "convert", MODEL, "--no-pretrained", "--resolution", str(VCA_RES), "--budget", "0.95", "--to", "vca",
@@ -195,7 +197,6 @@ def test_the_recovery_hook_trains_the_new_parameters_and_leaves_the_rest(tmp_pat
     from vca_patch.surgery import patch_model
     from vca_patch.targets.vca.config import VCAConfig
 
-    (tmp_path / "train").mkdir()
     photos(tmp_path / "train" / "photos", 5, seed=2)
     torch.manual_seed(0)
     original = timm.create_model(MODEL, pretrained=False, img_size=VCA_RES).eval()
@@ -222,7 +223,6 @@ def test_the_recovery_hook_trains_the_new_parameters_and_leaves_the_rest(tmp_pat
 )
 def test_a_recipe_that_cannot_recover_this_model_is_refused_before_the_planning(tmp_path, change, expected):
     photos(tmp_path / "calibration", 2, seed=0)
-    (tmp_path / "train").mkdir()
     photos(tmp_path / "train" / "photos", 5, seed=2)
     recipe = small_recipe(tmp_path, tmp_path / "train", **change)
     out = tmp_path / "out"

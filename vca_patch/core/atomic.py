@@ -16,7 +16,7 @@ import stat
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -69,7 +69,8 @@ def physical(path: Path | str) -> Path:
     return Path(os.path.realpath(path.parent)) / path.name
 
 
-def _real(path: Path | str) -> Path:
+def real_path(path: Path | str) -> Path:
+    """`path` absolute with every link and ".." resolved (what it is on disk), for comparing paths."""
     return Path(os.path.realpath(os.path.abspath(path)))
 
 
@@ -88,7 +89,8 @@ def hub_caches() -> list[Path]:
     constants = sys.modules.get("huggingface_hub.constants")
     if constants is not None:
         found += [getattr(constants, "HF_HUB_CACHE", None), getattr(constants, "HF_HOME", None)]
-    return sorted({_real(os.path.expanduser(p)) for p in found if p}, key=lambda p: -len(p.parts))  # innermost first
+    caches = {real_path(os.path.expanduser(p)) for p in found if p}
+    return sorted(caches, key=lambda p: -len(p.parts))  # innermost first
 
 
 def _cache_relation(real: Path) -> str | None:
@@ -106,7 +108,7 @@ def _cache_relation(real: Path) -> str | None:
 
 def _home() -> Path | None:
     try:
-        return _real(Path.home())
+        return real_path(Path.home())
     except (RuntimeError, KeyError):  # no HOME and no passwd entry
         return None
 
@@ -114,7 +116,7 @@ def _home() -> Path | None:
 def protected_reason(path: Path | str) -> str | None:
     """Why folder `path` may never be replaced as a whole (None if it may): the current folder or one holding it,
     the home folder or one holding it, a Hugging Face cache (or inside or holding one), a filesystem root."""
-    real = _real(path)
+    real = real_path(path)
     if _holds_cwd(real):
         what = "is the current folder" if real == Path.cwd().resolve() else "is the current folder or holds it"
         return f"{what}; it is replaced as a whole, so pass a new sub-folder (e.g. -o ./converted)"
@@ -215,26 +217,6 @@ def _check_replaceable(given: Path, path: Path, *, overwrite: bool) -> None:
     if not overwrite:
         raise OutputExistsError(f"{given} is not empty (it holds a vca-patch output); choose another folder or "
                                 "pass --force (in Python: overwrite=True) to replace it")  # fmt: skip
-
-
-def check_output_outside_inputs(output: Path, inputs: Mapping[str, Path | None], *, replaces: bool) -> None:
-    """Refuse an output that is, or is inside, one of `inputs` (name -> path); with `replaces` (the output folder
-    is replaced as a whole) also one that holds an input."""
-    out = Path(output).resolve()
-    for name, path in inputs.items():
-        if path is None:
-            continue
-        src = Path(path).resolve()
-        if out == src or src in out.parents:
-            raise UnsafeOutputError(
-                f"output {output} is {'the' if out == src else 'inside the'} {name} {path}: writing it would "
-                "change the input; choose an output folder outside it"
-            )
-        if replaces and out in src.parents:
-            raise UnsafeOutputError(
-                f"output {output} holds the {name} {path}, which replacing the folder would delete; "
-                "choose an output folder that does not contain it"
-            )
 
 
 def foreign_entries(path: Path, owned: Collection[str]) -> list[str]:

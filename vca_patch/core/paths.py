@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Literal
 
-from vca_patch.core.atomic import OutputExistsError, UnsafeOutputError, file_kind, physical
+from vca_patch.core.atomic import OutputExistsError, UnsafeOutputError, file_kind, physical, real_path
 
 
 class OutputPathError(UnsafeOutputError):
@@ -24,10 +24,6 @@ class OutputPathError(UnsafeOutputError):
 
 
 _LINK_SCAN = 2000  # entries of an input folder looked at for links (two levels deep): bounded for data folders
-
-
-def _real(path: Path | str) -> Path:
-    return Path(os.path.realpath(os.path.abspath(path)))
 
 
 def _links_inside(folder: Path) -> Iterator[Path]:
@@ -62,10 +58,10 @@ def _resolved_inputs(
     for name, src_path in named:
         if src_path is None or not os.path.lexists(src_path):
             continue
-        yield f"{name} {src_path}", _real(src_path)
+        yield f"{name} {src_path}", real_path(src_path)
         if os.path.isdir(src_path):
             for link in _links_inside(Path(src_path)):
-                yield f"{name}'s {link.relative_to(src_path)} (a link to {_real(link)})", _real(link)
+                yield f"{name}'s {link.relative_to(src_path)} (a link to {real_path(link)})", real_path(link)
 
 
 def _check_not_an_input(label: str, out: Path, inputs: Iterator[tuple[str, Path]], *, folder: bool,
@@ -148,7 +144,7 @@ def check_output(
     label = f"{option} {raw}" if option else f"output {raw}"
     if replaces is None:
         replaces = kind == "folder"
-    _check_not_an_input(label, _real(raw), _resolved_inputs(inputs), folder=kind == "folder", replaces=replaces,
+    _check_not_an_input(label, real_path(raw), _resolved_inputs(inputs), folder=kind == "folder", replaces=replaces,
                         writes=writes)  # fmt: skip
     _check_parent(label, raw)
     if kind == "file":
