@@ -433,6 +433,33 @@ def test_a_mixed_plan_must_beat_merging_alone_beyond_noise(monkeypatch, mixed, m
     assert any("within noise" in line for line in lines) == (wins == "merge")
 
 
+@pytest.mark.parametrize(("middle", "chosen"), [(0.9985, 1), (0.997, 0)], ids=["as-faithful", "less-faithful"])
+def test_a_faster_plan_as_faithful_is_chosen(monkeypatch, middle, chosen):
+    """Of two finalists within the budget whose measured objective differs by at most EQUAL_FIDELITY the faster
+    wins (a user asked for speed within a budget); a loss of 0.0025 keeps the more faithful plan."""
+    from vca_patch.planner import planner as planner_module
+
+    model = tiny_dinov2()
+    cands = [
+        Candidate([0, 1, 1, 1], {}, latency=0.78, cls=1.0, patch=1.0),
+        Candidate([0, 2, 2, 2], {}, latency=0.7, cls=0.99, patch=0.99),
+        Candidate([2, 2, 2, 2], {}, latency=0.6, cls=0.95, patch=0.95),
+    ]
+    scores = dict(zip([c.describe() for c in cands], [0.9995, middle, 0.99], strict=True))
+
+    def fake_fidelity(twin, images, reference):
+        score = scores[_planned_name(twin)]
+        return {"cls_cosine": score, "patch_token_cosine": score, "cls_per_image": [score], "patch_per_image": [score]}
+
+    _stand_in_twins(monkeypatch, {c.describe(): c.latency for c in cands})
+    monkeypatch.setattr(planner_module, "plan_fidelity", fake_fidelity)
+    lines: list[str] = []
+    best, _ = choose_measured(model, model_info(model), cands, 0.8, "both", torch.randn(2, 3, RES, RES),
+                              log=lines.append)  # fmt: skip
+    assert best.describe() == cands[chosen].describe()
+    assert any("as faithful and faster" in line for line in lines) == (chosen == 1)
+
+
 def test_finalists_are_calibrated_and_measured_on_different_images(monkeypatch):
     """A plan's VCA blocks are never scored on the images they were calibrated on (that flatters VCA plans)."""
     from vca_patch.planner import planner as planner_module

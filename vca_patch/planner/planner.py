@@ -44,6 +44,8 @@ MIN_SAVING = 0.03  # a VCA / MANO block must be this much faster than a softmax 
 # a smaller VCA n must be this much (of a softmax block) faster than the next larger n to be an option too: at 518 px
 # on DINOv2-S n = 16 saved 1.1 ms of a 34.5 ms block over n = 49 and lost more fidelity in every block
 FEWER_TOKENS_SAVING = 0.1
+# a faster finalist whose measured objective is at most this much lower counts as equally faithful and is chosen
+EQUAL_FIDELITY = 0.002
 
 
 def planned_unmerge(objective: str, unmerge: str = "auto") -> str:
@@ -379,8 +381,9 @@ def choose_measured(
 def _best_measured(
     within: Sequence[Candidate], measured: dict[str, dict[str, Any]], objective: str, log: Callable | None, budget
 ) -> tuple[Candidate, dict[str, Any]]:
-    """The best measured objective among the finalists measured `within` the budget (the faster on a tie); a plan
-    with VCA or MANO blocks only where it beats the best merging-only one beyond noise."""
+    """The best measured objective among the finalists measured `within` the budget, or a faster one as faithful
+    (`_fastest_as_good`); a plan with VCA or MANO blocks only where it beats the best merging-only one beyond
+    noise."""
 
     def key(c: Candidate) -> tuple[float, float]:
         return measured_score(measured[c.describe()], objective), -c.measured_latency.ratio
@@ -395,10 +398,37 @@ def _best_measured(
                 log(f"  {chosen.describe()} beats merging alone by {gain:+.4f} (standard error {error:.4f} over "
                     f"{len(scores['cls_per_image'])} images): within noise, so {merging.describe()}")  # fmt: skip
             chosen = merging
+    chosen = _fastest_as_good(chosen, within, measured, objective, log)
     if log is not None and chosen.measured_latency.straddles(budget):
         log(f"  {chosen.describe()} measured {chosen.measured_latency.describe()}: its interval straddles the "
             f"{budget:g}x budget, so on this machine it may run either side of it")  # fmt: skip
     return chosen, measured[chosen.describe()]
+
+
+def _fastest_as_good(
+    chosen: Candidate, within: Sequence[Candidate], measured: dict[str, dict[str, Any]], objective: str, log
+) -> Candidate:
+    """The fastest finalist within the budget whose measured objective is at most `EQUAL_FIDELITY` below
+    `chosen`'s, so a user gets the faster of two equally faithful plans; a merging-only choice gives way only to
+    merging-only plans (a plan with VCA or MANO blocks must beat merging alone beyond noise to be chosen)."""
+
+    def ratio(c: Candidate) -> float:
+        return c.measured_latency.ratio
+
+    def score(c: Candidate) -> float:
+        return measured_score(measured[c.describe()], objective)
+
+    kinds = [c for c in within if c.merging_only or not chosen.merging_only]
+    equal = [c for c in kinds if ratio(c) < ratio(chosen) and score(c) >= score(chosen) - EQUAL_FIDELITY]
+    if not equal:
+        return chosen
+    faster = min(equal, key=ratio)
+    if log is not None:
+        log(
+            f"  {faster.describe()} runs {ratio(faster):.3f}x against {chosen.describe()}'s {ratio(chosen):.3f}x at "
+            f"{score(faster) - score(chosen):+.4f} {objective} cosine: as faithful and faster, so {faster.describe()}"
+        )
+    return faster
 
 
 def _no_plan(budget: float, cands: Sequence[Candidate], timed: TimedPlans, merge_fractions: Sequence[float]):
