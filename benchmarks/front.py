@@ -2,6 +2,7 @@
 
     python benchmarks/front.py                          # 224, 518 and 1036 px, 48 held-out images each
     python benchmarks/front.py --sizes 518 --recover-steps 60   # + the VCA rows after recovery
+    python benchmarks/front.py --sizes 1036 --budgets --rows "VCA local 7 + calibrate" --recover-steps 150
     python benchmarks/front.py --quick                  # seconds: a tiny random-weight ViT (tests)
 
 For each resolution, on one machine and in one process:
@@ -218,10 +219,21 @@ def recovered(
     crops = PhotoCrops(photos, size, steps * recipe.train.batch_size, seed=2)
     started = time.perf_counter()
     log(f"  recovering: {steps} steps of {recipe.train.batch_size} crops of {len(photos)} photos at {size} px")
-    result = run_recipe(copy.deepcopy(twin), original, recipe, output, train_set=crops,
+    student, teacher = _at_size(copy.deepcopy(twin), size), _at_size(copy.deepcopy(original), size)
+    result = run_recipe(student, teacher, recipe, output, train_set=crops,
                         accelerator=make_accelerator(recipe.train.mixed_precision, device="cpu"))  # fmt: skip
-    return result.model.cpu().eval(), {"steps": steps, "train_size": size, "photos": len(photos),
-                                       "seconds": time.perf_counter() - started}  # fmt: skip
+    trained = copy.deepcopy(twin)
+    kept = {k: v for k, v in result.model.cpu().state_dict().items() if k != "pos_embed"}
+    trained.load_state_dict(kept, strict=False)  # the position table stays the run size's (frozen in training)
+    return trained.eval(), {"steps": steps, "train_size": size, "photos": len(photos),
+                            "seconds": time.perf_counter() - started}  # fmt: skip
+
+
+def _at_size(model: nn.Module, size: int) -> nn.Module:
+    """`model` (a timm ViT) taking `size` px inputs: its position table resampled where the size differs."""
+    if model.patch_embed.img_size != (size, size):
+        model.set_input_size(img_size=(size, size))
+    return model
 
 
 def run_size(size: int, settings: dict, quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
@@ -230,7 +242,7 @@ def run_size(size: int, settings: dict, quick: bool, log: Callable[[str], None])
     cache = Cache(settings.get("cache"), size)
     models: dict[str, nn.Module] = {"original": model}
     records: dict[str, dict] = {}
-    for row in fixed_rows():
+    for row in [r for r in fixed_rows() if not settings.get("rows") or r.name in settings["rows"]]:
         log(f"  {row.name}")
         models[row.name] = converted(model, row, calib, cache)
         records[row.name] = {"kind": row.kind, "calibrated": row.calibrated}
@@ -239,7 +251,8 @@ def run_size(size: int, settings: dict, quick: bool, log: Callable[[str], None])
         if twin is not None:
             models[name] = twin
     if settings["recover_steps"]:
-        _add_recovered(model, models, records, settings["recover_steps"], settings["recover_size"] or size, log)
+        steps, train_size = settings["recover_steps"], settings["recover_size"] or size
+        _add_recovered(model, models, records, steps, train_size, log, cache)
     reference = None
     for name, record in records.items():
         if name not in models:
@@ -263,16 +276,21 @@ def run_size(size: int, settings: dict, quick: bool, log: Callable[[str], None])
 
 
 def _add_recovered(
-    model: nn.Module, models: dict[str, nn.Module], records: dict[str, dict], steps: int, size: int, log: Callable
+    model: nn.Module, models: dict, records: dict, steps: int, size: int, log: Callable, cache: Cache
 ) -> None:
-    """Each row with calibrated VCA blocks, recovered too (`steps` steps trained at `size` px)."""
+    """Each row with calibrated VCA blocks, recovered too (`steps` steps trained at `size` px; kept in `cache`)."""
     import tempfile
 
     for name in [n for n, r in records.items() if r.get("calibrated") and n in models]:
-        with tempfile.TemporaryDirectory() as folder:
-            twin, record = recovered(models[name], model, steps, size, Path(folder), log)
-        models[f"{name} + recovery"] = twin
-        records[f"{name} + recovery"] = {**records[name], "recovery": record}
+        new = f"{name} + recovery"
+        twin, record = copy.deepcopy(models[name]), cache.load_json(new)
+        if record is None or not cache.load_weights(new, twin):
+            with tempfile.TemporaryDirectory() as folder:
+                twin, record = recovered(models[name], model, steps, size, Path(folder), log)
+            cache.save_weights(new, twin)
+            cache.save_json(new, record)
+        models[new] = twin
+        records[new] = {**records[name], "recovery": record}
 
 
 def markdown(results: dict) -> str:
@@ -335,6 +353,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budgets", type=float, nargs="*", help="the planner's budgets (default 0.8 .. 0.25)")
     parser.add_argument("--eval-crops", type=int, help="held-out crops besides the 10 whole photos (38)")
     parser.add_argument("--calibration", type=int, help="calibration crops (16)")
+    parser.add_argument("--rows", nargs="+", help="only these fixed rows, by name (default: all)")
     parser.add_argument("--recover-steps", type=int, default=0, help="recovery steps per calibrated row (0: none)")
     parser.add_argument("--recover-size", type=int, default=0, help="train the recovery at this size (0: its own)")
     parser.add_argument("--min-time", type=float, help="seconds each model is timed at least (2)")
@@ -351,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for key in ("sizes", "budgets", "eval_crops", "calibration", "min_time", "plan_images"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
-    settings |= {"recover_steps": args.recover_steps, "recover_size": args.recover_size}
+    settings |= {"recover_steps": args.recover_steps, "recover_size": args.recover_size, "rows": args.rows}
     cache = {"cache": args.cache} if args.cache is not None else {}
     torch.set_num_threads(args.threads)
 

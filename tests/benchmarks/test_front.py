@@ -41,3 +41,17 @@ def test_a_quick_front_measures_every_row(tmp_path):
     assert planner["budget"] == 0.9 and ("error" in planner or "latency_ratio" in planner)
     table = (tmp_path / "front_quick.md").read_text()
     assert all(name in table for name in fixed) and "attention-free floor 0.96x" in table
+
+
+def test_chosen_rows_recovered_at_another_size_and_resumed_from_the_cache(tmp_path):
+    """`--rows` keeps the named rows; `--recover-size` trains the recovery at a smaller size than the run's (the
+    position table resampled for training, the run size's kept) and the cache lets a second run skip it."""
+    argv = ["--quick", "--rows", "VCA local 7 + calibrate", "--budgets", "--recover-steps", "2",
+            "--recover-size", "28", "--cache", str(tmp_path / "cache"), "--results", str(tmp_path)]  # fmt: skip
+    first = _module().main(argv)["sizes"]["56"]["rows"]
+    assert set(first) == {"VCA local 7 + calibrate", "VCA local 7 + calibrate + recovery"}
+    recovery = first["VCA local 7 + calibrate + recovery"]["recovery"]
+    assert recovery["steps"] == 2 and recovery["train_size"] == 28
+    assert first["VCA local 7 + calibrate + recovery"]["cls_cosine"] != first["VCA local 7 + calibrate"]["cls_cosine"]
+    again = _module().main(argv)["sizes"]["56"]["rows"]
+    assert again["VCA local 7 + calibrate + recovery"]["recovery"] == recovery  # from the cache, not trained again
