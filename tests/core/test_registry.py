@@ -171,6 +171,39 @@ def test_a_subclass_that_changes_a_default_does_not_take_over_its_parents_name()
         assert CONFIG_TYPES["vca"] is VCAConfig
 
 
+def test_a_config_saves_its_version_refuses_a_newer_one_and_upgrades_an_older_one():
+    """A checkpoint written by a newer plug-in fails in one line naming the distribution and both versions; an
+    older one (or one saved before versions were: none means 1) goes through the config class's `upgrade`."""
+    assert VCAConfig().to_dict()["version"] == VCAConfig.version == 1
+    assert TargetConfig.from_dict(VCAConfig(local_window=7).to_dict()) == VCAConfig(local_window=7)
+    assert TargetConfig.from_dict({"target": "vca", "contrast_tokens": 9}) == VCAConfig(contrast_tokens=9)
+    with pytest.raises(ConfigError, match=r"'vca' config is version 2, newer than this installation's VCAConfig "
+                       r"\(version 1, from vca-patch\): upgrade vca-patch \(pip install -U vca-patch\)"):  # fmt: skip
+        TargetConfig.from_dict({"target": "vca", "version": 2})
+    for bad in (0, "1", True, 1.0):
+        with pytest.raises(ConfigError, match="version must be a positive integer"):
+            TargetConfig.from_dict({"target": "vca", "version": bad})
+
+    @dataclasses.dataclass
+    class Renamed(TargetConfig):  # version 2 renamed its field `width` to `window`
+        target: ClassVar[str] = "renamed-toy"
+        version: ClassVar[int] = 2
+        window: int = 3
+
+        @classmethod
+        def upgrade(cls, data: dict, version: int) -> dict:
+            return {("window" if k == "width" else k): v for k, v in data.items()}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        register_target(Renamed)
+    try:
+        assert TargetConfig.from_dict({"target": "renamed-toy", "version": 1, "width": 5}) == Renamed(window=5)
+        assert TargetConfig.from_dict(Renamed(window=4).to_dict()) == Renamed(window=4)
+    finally:
+        unregister_target("renamed-toy")
+
+
 def test_registration_by_subclassing_still_works_with_a_deprecation_warning():
     class Legacy(TargetConfig):
         target: ClassVar[str] = "test-legacy"

@@ -99,6 +99,21 @@ class RecipeOptions:
     stage: type | None = None
 
 
+def _read_version(config_cls: type[TargetConfig], target: str, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` without its "version" (absent: 1, the checkpoints before versions were saved), upgraded by the
+    config class when older than its own; a newer one is refused naming the distribution to upgrade."""
+    version = data.pop("version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ConfigError(f"the {target!r} config's version must be a positive integer, got {version!r}")
+    if version > config_cls.version:
+        dist = CONFIG_TYPES.distribution(target) or config_cls.__module__.split(".")[0]
+        raise ConfigError(
+            f"the {target!r} config is version {version}, newer than this installation's {config_cls.__name__} "
+            f"(version {config_cls.version}, from {dist}): upgrade {dist} (pip install -U {dist}) to read it"
+        )
+    return config_cls.upgrade(data, version) if version < config_cls.version else data
+
+
 def target_display_name(target: str) -> str:
     """`"mano"` -> `"MANO"`: a registered target's `display_name`, else its upper-cased name."""
     config_cls = CONFIG_TYPES.get(target)
@@ -117,6 +132,9 @@ class TargetConfig:
     display_name: ClassVar[str] = ""  # how reports and cards name the target; "" -> the upper-cased target name
     tags: ClassVar[tuple[str, ...]] = ()  # Hub model-card tags beside "vca-patch"; () -> just the target name
     citation: ClassVar[str] = ""  # BibTeX of the method's paper, for the model card; "" -> none recorded
+    # The config's schema version, saved with it (`to_dict`): raise it when a change to the fields would make an
+    # older reader misread a new checkpoint, and give `upgrade` the step from the old schema.
+    version: ClassVar[int] = 1
 
     layers: list[int] | None = field(default=None, kw_only=True)
     include: str | None = field(default=None, kw_only=True)  # regex: patch only matching module paths
@@ -209,7 +227,13 @@ class TargetConfig:
         return False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"target": self.target, **dataclasses.asdict(self)}
+        return {"target": self.target, "version": self.version, **dataclasses.asdict(self)}
+
+    @classmethod
+    def upgrade(cls, data: dict[str, Any], version: int) -> dict[str, Any]:
+        """Hook: the fields of a config saved at an older schema `version` (< `cls.version`), as this version reads
+        them. Default: unchanged (every change so far only added fields with defaults)."""
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TargetConfig:
@@ -222,6 +246,7 @@ class TargetConfig:
         config_cls = cls if cls.target else CONFIG_TYPES.get(target)
         if config_cls is None:
             raise ConfigError(CONFIG_TYPES.unknown(str(target)))
+        data = _read_version(config_cls, target, data)
         known = {f.name for f in dataclasses.fields(config_cls)}
         unknown = sorted(set(data) - known)
         if unknown:
