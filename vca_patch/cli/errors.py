@@ -420,6 +420,8 @@ QUIET_WARNINGS = (  # library warnings that say nothing a user can act on
     (UserWarning, r".*TypedStorage is deprecated.*"),
     (FutureWarning, r".*"),
     (DeprecationWarning, r".*"),
+    (RuntimeWarning, r"Image size \(\d+ pixels\) exceeds limit"),  # PIL's DecompressionBombWarning: read_image
+    # refuses such an image in its own error line (more than MAX_IMAGE_PIXELS), or skips it with --skip-bad-images
 )
 
 
