@@ -154,7 +154,7 @@ def test_target_checkpoint_round_trip_and_card(scaled, tmp_path):
     folder = vca_patch.save_pretrained(model, tmp_path / "merged", model_args=args, metadata={"base_weights": "random"})
     meta = json.loads((folder / "config.json").read_text())
     assert meta["config"] == {
-        "target": TARGET, "scale": 1.5, "layers": None, "include": None, "exclude": None, "seed": 0,
+        "target": TARGET, "version": 1, "scale": 1.5, "layers": None, "include": None, "exclude": None, "seed": 0,
     }  # fmt: skip
     assert meta["layers"]["blocks.1.attn"]["scale"] == 1.5
     card = (folder / "README.md").read_text()

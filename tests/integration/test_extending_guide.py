@@ -89,7 +89,8 @@ def test_the_example_plugin_patches_exactly_unpatches_and_reloads(toy, tmp_path)
     folder = vca_patch.save_pretrained(model, tmp_path / "ckpt")
     meta = json.loads((folder / "config.json").read_text())
     assert meta["adapter"] == "toy-vit" and meta["config"] == {
-        "target": "temp-softmax", "temperature": 1.0, "layers": None, "include": None, "exclude": None, "seed": 0,
+        "target": "temp-softmax", "version": 1, "temperature": 1.0, "layers": None, "include": None, "exclude": None,
+        "seed": 0,
     }  # fmt: skip
     loaded = vca_patch.from_pretrained(folder)
     with torch.no_grad():
