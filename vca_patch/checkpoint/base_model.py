@@ -2,9 +2,9 @@
 out-of-tree family); pretrained, local or random weights.
 
 Which library builds a name is asked of the registered families' libraries (`ModelLibrary.claims` / `load`,
-families/library.py), in their `load_priority` order: diffusers folders and repos, then transformers folders and
-ORG/NAME ids, then timm names (the fallback). Network access is checked up front, so an offline machine gets a
-clear error in seconds instead of a long retry loop.
+families/library.py), in their `load_priority` order (`vca_patch.families.library_for_name`): diffusers folders and
+repos, then transformers folders and ORG/NAME ids, then timm names (the fallback). Network access is checked up
+front, so an offline machine gets a clear error in seconds instead of a long retry loop.
 """
 
 from __future__ import annotations
@@ -19,21 +19,33 @@ from vca_patch.core.hub_access import (
     UnknownModelError,
     hub_offline_reason,
 )
-from vca_patch.families import libraries
+from vca_patch.families import legacy_export, libraries_by_priority, library_for_name
 
-# The built-in loaders, importable from here as before (their home is the family's package).
-from vca_patch.families.timm.load import HUB_PREFIX, check_timm_name
-from vca_patch.families.transformers.load import load_transformers_model, names_transformers_model
+# The built-in loaders, importable from here as before; their home is the family's package, reached through the
+# registry (`ModelLibrary.legacy_exports`), so this module imports no family.
+_LIBRARY_LOADERS = ("HUB_PREFIX", "check_timm_name", "load_transformers_model")
+
+
+def __getattr__(name: str) -> Any:
+    """A built-in library's loader by its old name here (`from vca_patch.checkpoint.base_model import ...`)."""
+    if name in _LIBRARY_LOADERS:
+        return legacy_export(__name__, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def sizes_from_config(name: str) -> bool:
+    """Whether the model `name` takes its input size from its own config (`ModelLibrary.sizes_from_config`): a
+    local folder asks the library that loads it (a diffusers folder also holds a config.json), any other name
+    every library, without the Hub checks that claiming a Hub id may make."""
+    if Path(name).is_dir():
+        library = library_for_name(name)
+        return library is not None and library.sizes_from_config(name)
+    return any(library.sizes_from_config(name) for library in libraries_by_priority())
 
 
 def is_transformers_source(name: str) -> bool:
-    """A local transformers model folder, or an ORG/NAME Hub id (timm names have no slash)."""
-    folder = Path(name)
-    if folder.is_dir():
-        from vca_patch.families.diffusers.source import local_transformer_folder
-
-        return (folder / "config.json").is_file() and local_transformer_folder(folder) is None  # not diffusers'
-    return names_transformers_model(name)
+    """`sizes_from_config` by its old name (a transformers folder or ORG/NAME id is such a model)."""
+    return sizes_from_config(name)
 
 
 def load_base_model(
@@ -50,19 +62,18 @@ def load_base_model(
     checkpoint can record (config_guard.TIMM_MODEL_ARGS): weights come from `weights`, never from a
     `checkpoint_path` or `pretrained_cfg_overlay`.
     """
-    for library in sorted(libraries().values(), key=lambda library: library.load_priority):
-        if library.claims(name):
-            return library.load(name, pretrained=pretrained, weights=weights, model_args=model_args)
-    raise UnknownModelError(f"unknown model {name!r}: no model family loads it")
+    library = library_for_name(name)
+    if library is None:
+        raise UnknownModelError(f"unknown model {name!r}: no model family loads it")
+    return library.load(name, pretrained=pretrained, weights=weights, model_args=model_args)
 
 
 __all__ = [
-    "HUB_PREFIX",
     "HubUnavailableError",
     "UnknownModelError",
-    "check_timm_name",
     "hub_offline_reason",
     "is_transformers_source",
     "load_base_model",
-    "load_transformers_model",
+    "sizes_from_config",
+    *_LIBRARY_LOADERS,
 ]

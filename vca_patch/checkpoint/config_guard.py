@@ -23,24 +23,23 @@ from typing import Any
 from vca_patch.core.config_checks import unsafe as _fail
 from vca_patch.core.errors import UnsafeConfigError
 from vca_patch.core.hub_access import is_hub_id
-from vca_patch.families import loadable_adapters
+from vca_patch.families import legacy_export, loadable_adapters
 
-# The library checks, importable from here as before (their home is the family's package).
-from vca_patch.families.timm.guard import (
-    TIMM_ARCHITECTURE,
-    TIMM_CFG_SOURCES,
-    TIMM_MODEL_ARGS,
-    check_timm_architecture,
-    check_timm_base,
-    check_timm_keys,
-    check_timm_model_args,
-)
-from vca_patch.families.transformers.guard import (
-    check_transformers_base,
-    check_transformers_config,
-    local_name_or_path_removed,
-    transformers_model_class,
-)
+# The built-in libraries' checks, importable from here as before; their home is the family's package, reached
+# through the registry (`ModelLibrary.legacy_exports`), so this module imports no family.
+_LIBRARY_CHECKS = (
+    "TIMM_ARCHITECTURE", "TIMM_CFG_SOURCES", "TIMM_MODEL_ARGS", "check_timm_architecture", "check_timm_base",
+    "check_timm_keys", "check_timm_model_args", "check_transformers_base", "check_transformers_config",
+    "local_name_or_path_removed", "transformers_model_class",
+)  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    """A built-in library's check by its old name here (`from vca_patch.checkpoint.config_guard import ...`)."""
+    if name in _LIBRARY_CHECKS:
+        return legacy_export(__name__, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _REVISION = re.compile(r"[A-Za-z0-9][\w.\-/]{0,254}")
 _WEIGHTS_FILENAME = re.compile(r"[A-Za-z0-9][\w.-]*\.(?:safetensors|bin)")
@@ -80,19 +79,9 @@ def check_loadable(meta: dict[str, Any], where: str) -> None:
 
 
 __all__ = [
-    "TIMM_ARCHITECTURE",
-    "TIMM_CFG_SOURCES",
-    "TIMM_MODEL_ARGS",
     "UnsafeConfigError",
     "check_hub_ref",
     "check_loadable",
-    "check_timm_architecture",
-    "check_timm_base",
-    "check_timm_keys",
-    "check_timm_model_args",
-    "check_transformers_base",
-    "check_transformers_config",
     "is_hub_id",
-    "local_name_or_path_removed",
-    "transformers_model_class",
+    *_LIBRARY_CHECKS,
 ]

@@ -48,10 +48,9 @@ from vca_patch.cli.target_options import (
 from vca_patch.core.atomic import check_output_dir, foreign_entries
 from vca_patch.core.errors import ConfigError
 from vca_patch.core.lock import output_lock
-from vca_patch.core.model_io import compare_outputs, model_input_size, probe_batch
+from vca_patch.core.model_io import compare_outputs, model_input_size
 from vca_patch.core.paths import check_output
-from vca_patch.families.diffusers import probe as dfp
-from vca_patch.families.diffusers import source as dfs
+from vca_patch.families import hooks_for, libraries
 from vca_patch.surgery import get_patch_state, patch_model
 from vca_patch.targets.base import CONFIG_TYPES, TargetConfig
 
@@ -183,8 +182,8 @@ def convert(**options: Any) -> None:
     config = _checked_config(args, target_values)
     _check_inputs(args)
     net, base_weights = _build_base(args)
+    _check_sizes(args, net, config)  # first: a plan's own check and a size below a patch say more than the grid rule
     config = fit_default_contrast_tokens(net, config)
-    _check_sizes(args, net, config)
     if args.plan is None:
         _note_if_vca_cannot_pay(args, net)
     _patch_measure_save(args, net, config, base_weights)
@@ -279,7 +278,7 @@ def _check_sizes(args: ConvertArgs, net: torch.nn.Module, config: TargetConfig) 
 
 def _checked_config(args: ConvertArgs, target_values: dict[str, Any]) -> TargetConfig:
     """The target config the options (or --plan) ask for, after the checks that need no model; exits on an error."""
-    if args.calibration_data is not None and dfs.is_local_diffusers(args.model):  # checked again once loaded
+    if args.calibration_data is not None and _takes_no_images(args.model):  # checked again once loaded
         fail("--calibration-data takes images for vision encoders; a diffusion transformer is measured on random "
              "latents, timesteps and conditions (distil it to recover quality)", 2)  # fmt: skip
     _check_output(args)
@@ -291,6 +290,12 @@ def _checked_config(args: ConvertArgs, target_values: dict[str, Any]) -> TargetC
         return load_plan(args.plan)
     common = {"layers": parse_layers(args.layers), "seed": args.seed, "include": args.include}
     return target_config(args.to, target_values, exclude=args.exclude, **common)
+
+
+def _takes_no_images(name: str) -> bool:
+    """Whether a library knows `name`, from local files, as a model that takes no images
+    (`ModelLibrary.takes_no_images`: a diffusers pipeline folder)."""
+    return any(library.takes_no_images(name) for library in libraries().values())
 
 
 def _check_output(args: ConvertArgs) -> None:
@@ -361,22 +366,19 @@ def _build_base(args: ConvertArgs) -> tuple[torch.nn.Module, str]:
 
 
 def _patch_measure_save(args: ConvertArgs, net: torch.nn.Module, config: TargetConfig, base_weights: str) -> None:
-    diffusion = dfp.is_diffusers_model(net)  # a diffusion transformer: a random denoising step is the probe
-    if diffusion and args.calibration_data is not None:
+    family = hooks_for(net)  # its probe (a diffusion transformer's: a random denoising step) and how to call it
+    if not family.takes_images and args.calibration_data is not None:
         fail(f"--calibration-data takes images for vision encoders, not {type(net).__name__}", 2)
-    probe = (
-        dfp.probe_inputs(net, args.probe_size, args.seed) if diffusion else probe_batch(net, args.probe_size, args.seed)
-    )
-    run = dfp.predict if diffusion else (lambda module, x: module(x))
+    probe = family.probe_inputs(net, args.probe_size, args.seed)
     if type(config).cpu_kernel() is not None and next(net.parameters()).device.type == "cpu":
         prepare_cpu_kernel()  # a target's fused CPU kernel: compiled on the first run, under its own spinner
     with console.status("Patching and probing..."), torch.no_grad():
-        reference = run(net, probe)
+        reference = family.predict(net, probe)
         report = patch_model(net, config, strict=args.strict)
-        metrics = compare_outputs(reference, run(net, probe))
-    if diffusion:
-        fidelity_summary = dfp.fidelity_summary(dfp.attention_errors(net, probe), metrics)
-        measured_on = f"{args.probe_size} random denoising inputs"
+        metrics = compare_outputs(reference, family.predict(net, probe))
+    measured = family.probe_fidelity(net, probe, metrics, args.probe_size)  # None: measured on images
+    if measured is not None:
+        fidelity_summary, measured_on = measured
     else:
         fidelity_summary, measured_on = calibrate_for_convert(  # progress bars with totals and ETA
             net, args.calibration_data, args.calibration_kind, args.calibration_images, probe,

@@ -142,13 +142,21 @@ def fidelity(**options: Any) -> None:
     args, _ = split_options(FidelityArgs, options)
     _check_options(args)
     model, reference = _load_models(args)
-    if type(model).__module__.startswith("diffusers."):  # latents, timesteps and conditions instead of images
+    if not _takes_images(model):  # a diffusion transformer: latents, timesteps and conditions instead of images
         diffusion_fidelity(model, reference, args.data, args.limit, args.json_out)
         return
     report = _measure_on_images(args, model, reference)
     console.print(layers_table(report))
     console.print(measured_table(report))
     _write_report(args, report)
+
+
+def _takes_images(model: Any) -> bool:
+    """Whether the model's family measures it on images (`ModelAdapter.takes_images`; diffusion transformers:
+    denoising steps)."""
+    from vca_patch.families import hooks_for
+
+    return hooks_for(model).takes_images
 
 
 def _check_options(args: FidelityArgs) -> None:

@@ -12,8 +12,7 @@ from rich.table import Table
 from vca_patch.cli.common import check_model_sizes, console, fit_default_contrast_tokens, load_base, parse_layers
 from vca_patch.cli.report_view import sites_table, totals_table
 from vca_patch.cli.target_options import split_options, target_config, target_names, typer_command
-from vca_patch.families.diffusers.dit import describe_sites
-from vca_patch.families.diffusers.probe import is_diffusers_model
+from vca_patch.families import hooks_for
 from vca_patch.surgery import inspect_model
 from vca_patch.targets.base import TargetConfig
 from vca_patch.targets.llava_sp.plan import projector_table
@@ -54,14 +53,25 @@ def _show(args: InspectArgs, config: TargetConfig) -> None:
     check_model_sizes(net, config, batch=0, what=model)  # no forward pass: the grid and the contrast tokens
     report = inspect_model(net, config, strict=strict)
     console.print(sites_table(report, dry_run=True))
-    if is_diffusers_model(net):  # what each attention is, and the tokens it sees
-        kinds = Table(title="Diffusion transformer attention", title_justify="left")
-        for column in ("module", "kind", "tokens"):
-            kinds.add_column(column, no_wrap=column == "module")
-        for row in describe_sites(net):
-            kinds.add_row(row["module"], row["kind"], row["tokens"])
+    kinds = _kinds_table(net)
+    if kinds is not None:
         console.print(kinds)
     console.print(totals_table(report))
     projector = projector_table(net, model)  # a LLaVA: its projector's spatial-token surgery (--to llava-sp)
     if projector is not None:
         console.print(projector)
+
+
+def _kinds_table(net: Any) -> Table | None:
+    """What each attention module is and the tokens it sees, where the model's family says
+    (`ModelAdapter.describe_sites`, e.g. a diffusion transformer's); None where it says nothing."""
+    family = hooks_for(net)
+    rows = family.describe_sites(net)
+    if not rows:
+        return None
+    kinds = Table(title=family.sites_title, title_justify="left")
+    for column in ("module", "kind", "tokens"):
+        kinds.add_column(column, no_wrap=column == "module")
+    for row in rows:
+        kinds.add_row(row["module"], row["kind"], row["tokens"])
+    return kinds

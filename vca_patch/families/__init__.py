@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from vca_patch.core.patch_state import get_patch_state
 from vca_patch.core.registry import Registry, RegistryError
 from vca_patch.families.base import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite
 from vca_patch.families.diffusers.dit import DiffusersDiTAdapter
@@ -38,11 +39,13 @@ def _check_adapter(name: str, adapter_cls: Any) -> None:
 ADAPTERS: Registry[type[ModelAdapter]] = Registry(
     "adapter", group=FAMILY_GROUP, check=_check_adapter, default_before=_FALLBACK
 )
-for _adapter in (
+_BUILT_IN = (
     TimmViTAdapter, TimmPVTAdapter, TimmSwinAdapter, HFPvtAdapter, HFPvtV1Adapter, HFSwinAdapter, HFVisionAdapter,
     DiffusersDiTAdapter, GenericAdapter,
-):  # fmt: skip
+)  # fmt: skip
+for _adapter in _BUILT_IN:
     ADAPTERS.register(_adapter.name, _adapter)
+_BUILT_IN_LIBRARIES = tuple({id(a.library): a.library for a in _BUILT_IN if a.library is not None}.values())
 
 
 def register_family(adapter_cls: type[ModelAdapter], *, before: str | None = None) -> type[ModelAdapter]:
@@ -93,6 +96,36 @@ def adapter_for(model: nn.Module) -> ModelAdapter | None:
     return None
 
 
+def hooks_for(model: nn.Module) -> type[ModelAdapter]:
+    """The class whose hooks answer for `model` in shared code (how to probe and call it, what `inspect` shows):
+    the adapter that patched it, else the first registered adapter that applies, else `ModelAdapter` itself,
+    whose hooks are the defaults."""
+    state = get_patch_state(model)
+    adapter = state.adapter if state is not None else adapter_for(model)
+    return type(adapter) if adapter is not None else ModelAdapter
+
+
+def libraries_by_priority() -> list[ModelLibrary]:
+    """The registered libraries in `load_priority` order (ties: registration order), as names are claimed."""
+    return sorted(libraries().values(), key=lambda library: library.load_priority)
+
+
+def library_for_name(name: str) -> ModelLibrary | None:
+    """The first library by `load_priority` that claims the model name, Hub id or folder `name`, or None."""
+    return next((library for library in libraries_by_priority() if library.claims(name)), None)
+
+
+def legacy_export(module: str, name: str) -> Any:
+    """`name` from a built-in library's `legacy_exports`, for a module-level `__getattr__` of `module` (old imports
+    of the family checks and loaders shared modules re-exported). Only the built-in families are asked: this runs
+    while modules are imported, when no registry with entry points may be read."""
+    for library in _BUILT_IN_LIBRARIES:
+        exports = library.legacy_exports()
+        if name in exports:
+            return exports[name]
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+
 def adapter_by_name(name: str) -> ModelAdapter:
     """An instance of the registered adapter `name` (built in, registered, or an installed plug-in's)."""
     if name not in ADAPTERS:
@@ -110,7 +143,11 @@ __all__ = [
     "SkippedSite",
     "adapter_by_name",
     "adapter_for",
+    "hooks_for",
+    "legacy_export",
     "libraries",
+    "libraries_by_priority",
+    "library_for_name",
     "loadable_adapters",
     "register_family",
     "unregister_family",

@@ -130,6 +130,11 @@ class ModelAdapter(ABC):
     # transfer do. False where it takes its grid/windows/shift from hooks on its block (PVT stages, Swin windows):
     # those are measured by teacher forcing inside one forward of the model (`train.forced`).
     layers_run_alone: bool = True
+    # Whether the model is probed, calibrated and measured on images. False (diffusion transformers): `convert`
+    # refuses `--calibration-data` and measures with `probe_fidelity`, `fidelity` measures denoising steps.
+    takes_images: bool = True
+    # The title of `inspect`'s table of `describe_sites` rows.
+    sites_title: str = "Attention sites"
 
     @classmethod
     @abstractmethod
@@ -177,6 +182,41 @@ class ModelAdapter(ABC):
         if site.verified is False:
             site.notes.append(f"reference softmax attention differs by {error:.2g} (relative)")
         return site
+
+    @classmethod
+    def probe_inputs(cls, model: nn.Module, batch_size: int, seed: int) -> Any:
+        """What `convert` feeds the model to measure what a conversion changes: by default a random image batch
+        at the model's input size (`core.model_io.probe_batch`), drawn from `seed`."""
+        from vca_patch.core.model_io import probe_batch
+
+        return probe_batch(model, batch_size, seed)
+
+    @classmethod
+    def predict(cls, model: nn.Module, inputs: Any) -> torch.Tensor:
+        """The model's prediction on `probe_inputs`' `inputs`, compared before and after conversion: `model(x)`."""
+        return model(inputs)
+
+    @classmethod
+    def probe_fidelity(
+        cls, model: nn.Module, inputs: Any, prediction: dict[str, float], batch_size: int
+    ) -> tuple[dict[str, float], str] | None:
+        """For a model that `takes_images` is False for: `convert`'s fidelity summary of the patched model on its
+        probe `inputs` (`prediction`: `compare_outputs` of the predictions) and what it was measured on. None (the
+        default): `convert` calibrates and measures on images instead."""
+        return None
+
+    @classmethod
+    def describe_sites(cls, model: nn.Module) -> list[dict[str, str]]:
+        """Rows {"module", "kind", "tokens"} for an extra `inspect` table (titled `sites_title`) saying what each
+        attention module is and the tokens it sees; [] (the default): no extra table."""
+        return []
+
+    @classmethod
+    def new_parameters(cls, module: nn.Module) -> nn.Module | None:
+        """For an adapter that installs replacements in place (`install_replacement`): the child of the kept site
+        `module` that holds the replacement's new parameters, so that `train.params` groups every other parameter
+        of the site as carried; None (the default): the site's module was replaced as a whole."""
+        return None
 
     def install_layout_tracker(self, model: nn.Module) -> LayoutTracker:
         tracker = LayoutTracker(self)

@@ -3,14 +3,17 @@
 Each family package declares one `ModelLibrary` (families/timm/library.py, families/transformers/library.py,
 families/diffusers/library.py) and sets it as `library` on its adapters; an out-of-tree family does the same
 before `register_family`. Shared code finds libraries through the registered adapters (`vca_patch.families.
-libraries()` / `library_for_adapter`) and dispatches by the adapter name and `base.library` recorded in
+libraries()` / `library_for_name`) and dispatches by the adapter name and `base.library` recorded in
 config.json:
 
 - `checkpoint.config_guard.check_loadable` calls `check_base` (and `check_config_keys`) before anything is built;
 - `checkpoint.folder` adds `config_keys` to config.json;
 - `checkpoint.base_model.load_base_model` asks libraries by `load_priority` whether they `claim` a name, and the
-  first that does `load`s it;
-- `checkpoint.model_card` asks `card_task` for the card's pipeline tag.
+  first that does `load`s it (`vca_patch.families.library_for_name`); `sizes_from_config` tells the CLI whether
+  `--img-size` is a model argument or must match the model's own config;
+- `cli.convert` asks `takes_no_images` before loading, to refuse image options for a model that takes no images;
+- `checkpoint.model_card` asks `card_task` for the card's pipeline tag;
+- `checkpoint.config_guard` / `checkpoint.base_model` re-export a built-in library's `legacy_exports` for old imports.
 
 An adapter without a library (`library = None`, e.g. generic detection) converts models but cannot be saved.
 """
@@ -58,3 +61,20 @@ class ModelLibrary:
     ) -> nn.Module:
         """The model `name` with its own (`pretrained`), local (`weights`) or random weights."""
         raise NotImplementedError(f"the {self.name!r} library loads no models by name")
+
+    def sizes_from_config(self, name: str) -> bool:
+        """Whether the model `name` takes its input size from its own config rather than an `img_size` model
+        argument (transformers): the CLI then passes no `model_args` and refuses an `--img-size` that differs from
+        the config's. Asked of the library that claims a local folder, and of every library for other names."""
+        return False
+
+    def takes_no_images(self, name: str) -> bool:
+        """Whether `name` is, from local files alone (no Hub access), a model of this library that takes no images
+        (a diffusers pipeline folder), so that `convert` refuses image options before loading it."""
+        return False
+
+    def legacy_exports(self) -> dict[str, Any]:
+        """Name -> object of the library's own checks and loaders that `checkpoint.config_guard` and
+        `checkpoint.base_model` re-exported before they moved into the family's package; old imports of those
+        names from there still resolve (built-in libraries only). A new library has none."""
+        return {}

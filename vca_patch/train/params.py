@@ -8,7 +8,6 @@ from typing import Any
 
 from torch import nn
 
-from vca_patch.families.diffusers.processor import NEW_PARAMETERS
 from vca_patch.layers.carried_module import CarriesOriginal
 from vca_patch.surgery import get_patch_state
 from vca_patch.train import target_keys
@@ -35,12 +34,7 @@ def parameter_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter
     edits = {path + ".": model.get_submodule(path) for path in state.block_originals} if state is not None else {}
     replaced = [*state.originals.values(), *state.block_originals.values()] if state is not None else []
     carried = {id(p) for original in replaced if isinstance(original, nn.Module) for p in original.parameters()}
-    for path in sites:  # an adapter that swapped an implementation in place (diffusers processors): all but `vca`
-        module = model.get_submodule(path[:-1])
-        new = module._modules.get(NEW_PARAMETERS)
-        if new is not None:
-            own = {id(p) for p in new.parameters()}
-            carried |= {id(p) for p in module.parameters() if id(p) not in own}
+    carried |= _carried_in_place(model, state, sites)
     for name, p in model.named_parameters():
         prefix = next((v for v in sites if name.startswith(v)), None)
         edit = next((v for v in edits if name.startswith(v)), None) if prefix is None else None
@@ -55,6 +49,19 @@ def parameter_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter
         else:
             groups[own_group.get(id(p), "new")].append((name, p))
     return groups
+
+
+def _carried_in_place(model: nn.Module, state: Any, sites: list[str]) -> set[int]:
+    """Ids of the parameters a site kept when its adapter swapped an implementation in place (diffusers
+    processors): all but those of the holder of new parameters its adapter names (`ModelAdapter.new_parameters`)."""
+    carried: set[int] = set()
+    for path in sites:
+        module = model.get_submodule(path[:-1])
+        new = state.adapter.new_parameters(module)
+        if new is not None:
+            own = {id(p) for p in new.parameters()}
+            carried |= {id(p) for p in module.parameters() if id(p) not in own}
+    return carried
 
 
 def _target_groups(model: nn.Module, state: Any) -> dict[int, str]:

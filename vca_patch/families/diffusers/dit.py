@@ -37,6 +37,7 @@ from vca_patch.families.base import (
     SkippedSite,
     remove_hooks,
 )
+from vca_patch.families.diffusers import probe
 from vca_patch.families.diffusers.flux import (
     FluxJointLayerProcessor,
     FluxLayoutHook,
@@ -166,12 +167,44 @@ class DiffusersDiTAdapter(ModelAdapter):
 
     name = "diffusers-dit"
     library = DIFFUSERS
+    takes_images = False  # a random denoising step is its probe (`probe.probe_inputs`)
+    sites_title = "Diffusion transformer attention"
 
     @classmethod
     def applies_to(cls, model: nn.Module) -> bool:
         if not type(model).__module__.startswith("diffusers."):
             return False
         return _patch_embedding(model) is not None or is_flux(model)
+
+    # -- probing and measuring (the hooks `convert`, `inspect` and `train.params` call) ------------------------
+
+    @classmethod
+    def probe_inputs(cls, model: nn.Module, batch_size: int, seed: int) -> Any:
+        """Keyword arguments of one random denoising step (latents, timesteps, conditions)."""
+        return probe.probe_inputs(model, batch_size, seed)
+
+    @classmethod
+    def predict(cls, model: nn.Module, inputs: Any) -> Any:
+        """The noise or velocity prediction on a denoising step's keyword arguments."""
+        return probe.predict(model, inputs)
+
+    @classmethod
+    def probe_fidelity(
+        cls, model: nn.Module, inputs: Any, prediction: dict[str, float], batch_size: int
+    ) -> tuple[dict[str, float], str] | None:
+        """Per-layer attention error against the original processors, and the prediction's error."""
+        summary = probe.fidelity_summary(probe.attention_errors(model, inputs), prediction)
+        return summary, f"{batch_size} random denoising inputs"
+
+    @classmethod
+    def describe_sites(cls, model: nn.Module) -> list[dict[str, str]]:
+        """Each attention module's kind and the tokens it sees (module-level `describe_sites`)."""
+        return describe_sites(model)
+
+    @classmethod
+    def new_parameters(cls, module: nn.Module) -> nn.Module | None:
+        """The child `NEW_PARAMETERS` that `install_replacement` adds to a converted attention module."""
+        return module._modules.get(NEW_PARAMETERS)
 
     def find_sites(self, model: nn.Module) -> tuple[list[AttentionSite], list[SkippedSite]]:
         attention_types = _attention_types()

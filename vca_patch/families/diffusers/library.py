@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from vca_patch.families.diffusers.guard import check_diffusers_base
-from vca_patch.families.diffusers.source import is_diffusers_source, load_diffusers_transformer
+from vca_patch.families.diffusers.source import is_diffusers_source, is_local_diffusers, load_diffusers_transformer
 from vca_patch.families.library import ModelLibrary
 
 # The Hub task of a base architecture (None: no Hub task fits, e.g. class-conditional DiT).
@@ -40,6 +40,10 @@ class DiffusersLibrary(ModelLibrary):
         if model_args:
             raise TypeError(f"{name} is a diffusers model: no img_size or other timm model_args (any latent size runs)")
         return load_diffusers_transformer(name, pretrained=pretrained, weights=weights)
+
+    def takes_no_images(self, name: str) -> bool:
+        """A local pipeline or transformer folder: its model denoises latents, it takes no images."""
+        return is_local_diffusers(name)
 
 
 DIFFUSERS = DiffusersLibrary()

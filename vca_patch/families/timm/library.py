@@ -34,5 +34,15 @@ class TimmLibrary(ModelLibrary):
 
         return load_timm_model(name, pretrained=pretrained, weights=weights, model_args=model_args)
 
+    def legacy_exports(self) -> dict[str, Any]:
+        """timm's checks and name helpers, once re-exported by checkpoint.config_guard / checkpoint.base_model."""
+        from vca_patch.families.timm import guard
+        from vca_patch.families.timm.load import HUB_PREFIX, check_timm_name
+
+        names = ("TIMM_ARCHITECTURE", "TIMM_CFG_SOURCES", "TIMM_MODEL_ARGS", "check_timm_architecture",
+                 "check_timm_base", "check_timm_keys", "check_timm_model_args")  # fmt: skip
+        loaders = {"HUB_PREFIX": HUB_PREFIX, "check_timm_name": check_timm_name}
+        return {name: getattr(guard, name) for name in names} | loaders
+
 
 TIMM = TimmLibrary()

@@ -36,5 +36,22 @@ class TransformersLibrary(ModelLibrary):
             )
         return load_transformers_model(name, pretrained=pretrained, weights=weights)
 
+    def sizes_from_config(self, name: str) -> bool:
+        """A local folder with a config.json (the diffusers library claims its own folders first), or an ORG/NAME
+        Hub id: its image size is its config's."""
+        from vca_patch.families.transformers.load import names_transformers_model
+
+        folder = Path(name)
+        return (folder / "config.json").is_file() if folder.is_dir() else names_transformers_model(name)
+
+    def legacy_exports(self) -> dict[str, Any]:
+        """transformers' checks and loader, once re-exported by checkpoint.config_guard / checkpoint.base_model."""
+        from vca_patch.families.transformers import guard
+        from vca_patch.families.transformers.load import load_transformers_model
+
+        names = ("check_transformers_base", "check_transformers_config", "local_name_or_path_removed",
+                 "transformers_model_class")  # fmt: skip
+        return {name: getattr(guard, name) for name in names} | {"load_transformers_model": load_transformers_model}
+
 
 TRANSFORMERS = TransformersLibrary()
