@@ -23,7 +23,8 @@ def test_save_reload_gives_identical_outputs(tmp_path, config):
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         assert torch.equal(model(x), again(x))
-    assert again.vca_patch_state.config == config.as_built(model)  # automatic choices saved as made
+    # automatic choices saved as made (the default 49 contrast tokens fitted to this 4×4 grid: 16)
+    assert again.vca_patch_state.config == model.vca_patch_state.config.as_built(model)
     assert [type(b.attn).__name__ for b in again.blocks] == [type(b.attn).__name__ for b in model.blocks]
 
 
@@ -39,8 +40,8 @@ def test_config_json_records_base_config_layers_and_version(tmp_path):
     assert meta["config"]["target"] == "vca" and meta["config"]["layers"] == [0]
     assert list(meta["layers"]) == ["blocks.0.attn"]
     assert (
-        meta["params"]["after"] - meta["params"]["before"] == 2 * 49 * 192 + 10 * 64 + 10 * 192 + 3 + 192 * 3 + 3
-    )  # temperatures, gain
+        meta["params"]["after"] - meta["params"]["before"] == 2 * 16 * 192 + 10 * 64 + 10 * 192 + 3 + 192 * 3 + 3
+    )  # temperatures, gain; the default 49 contrast tokens fitted to the 4×4 grid (16)
     card = (tmp_path / "c" / "README.md").read_text()
     assert card.startswith("---\n") and "library_name: vca-patch" in card and "license: apache-2.0" in card
 

@@ -61,7 +61,7 @@ def test_chosen_contrast_tokens_past_the_grid_are_refused_before_any_work(tmp_pa
     result = runner.invoke(app, [*args, "--device", "cpu", "--probe-size", "1", "-o", str(out)])
     assert result.exit_code == 2, result.output
     (line,) = [x for x in result.output.splitlines() if x.startswith("error:")]
-    assert "--contrast-tokens 9 is more than the 2×2 patch grid's 4 patches; pass --contrast-tokens 4 (2×2)" in line
+    assert "(--contrast-tokens) 9 is more than the 2×2 patch grid's 4 patches; use 4 (2×2) or fewer" in line
     assert not out.exists()
     fits = runner.invoke(app, ["inspect", "deit_tiny_patch16_224", "--img-size", "64", "--contrast-tokens", "16"])
     assert fits.exit_code == 0 and "note:" not in fits.output, fits.output

@@ -84,10 +84,12 @@ def test_image_sizes_in_bounds_pass():
 def test_contrast_tokens_fit_the_patch_grid():
     check_contrast_tokens(196, (14, 14))
     with pytest.raises(
-        SizeError, match=r"197 is more than the 14×14 patch grid.s 196 patches; pass --contrast-tokens 196 "
+        SizeError,
+        match=r"contrast_tokens \(--contrast-tokens\) 197 is more than the 14×14 patch grid.s 196 patches; "
+        r"use 196 \(14×14\) or fewer",
     ):
         check_contrast_tokens(197, (14, 14))
-    with pytest.raises(SizeError, match=r"the 4×6 patch grid's 24 patches; pass --contrast-tokens 16 \(4×4\)"):
+    with pytest.raises(SizeError, match=r"the 4×6 patch grid's 24 patches; use 16 \(4×4\)"):
         check_contrast_tokens(25, (4, 6))
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -16,7 +15,6 @@ from vca_patch.core.sizes import (
     SizeError,
     activation_bytes,
     check_bound,
-    check_contrast_tokens,
     check_memory,
 )
 
@@ -202,31 +200,24 @@ def load_base(name: str, *, pretrained: bool, weights: Path | None, img_size: in
 
 
 def fit_default_contrast_tokens(net: nn.Module, config: Any) -> Any:
-    """`config` with its default contrast-token count shrunk to the largest square the model's patch grid holds (a
-    small --img-size), said in one line. Any other value is the user's: `check_model_sizes` refuses it past the grid."""
-    if not dataclasses.is_dataclass(config):
-        return config
-    default = {f.name: f.default for f in dataclasses.fields(config)}.get("contrast_tokens")
-    if default is None or getattr(config, "contrast_tokens", None) != default:
-        return config
+    """`config` fitted to the model's patch grid by its target (`TargetConfig.fit_grid`, the rule `patch_model`
+    applies too): a default that does not fit a small --img-size is fitted and said in one line; a value the user
+    chose past the grid is refused."""
     from vca_patch.surgery import inspect_model
+    from vca_patch.targets import TargetConfig
 
+    if not isinstance(config, TargetConfig):
+        return config
     try:
         layout = inspect_model(net).layout
     except ValueError:  # not a model these checks can read: the conversion's own checks say why
         return config
-    if layout is None:  # hierarchical: one grid per stage, each with its own default
+    if layout is None:
         return config
-    height, width = layout.grid
-    side = min(height, width)
-    if side < 1 or side * side >= default:  # less than a patch: check_model_sizes refuses the size
-        return config
-    err_console.print(
-        f"note: the default {default} contrast tokens do not fit the {height}×{width} patch grid; using {side * side}",
-        highlight=False,
-        soft_wrap=True,
-    )
-    return dataclasses.replace(config, contrast_tokens=side * side)
+    config, notes = config.fit_grid(tuple(layout.grid))
+    for note in notes:
+        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    return config
 
 
 def refuse_checkpoint_input(model: str) -> None:
@@ -259,24 +250,13 @@ def model_patch(net: nn.Module) -> int | None:
     return None if conv is None else int(conv.stride[0])
 
 
-def contrast_token_counts(config: Any) -> list[int]:
-    """Every contrast-token count n a target config asks for (VCA's, per layer or stage, a plan's VCA blocks)."""
-    counts = [getattr(config, "contrast_tokens", None)]
-    for name in ("layer_contrast_tokens", "stage_contrast_tokens", "vca_layers"):
-        values = getattr(config, name, None)
-        if isinstance(values, dict):
-            counts.extend(values.values())
-        elif isinstance(values, (list, tuple)):
-            counts.extend(values)
-    return [n for n in counts if isinstance(n, int) and not isinstance(n, bool)]
-
-
 def check_model_sizes(net: nn.Module, config: Any, *, batch: int, device: str = "cpu", what: str = "MODEL") -> None:
     """Before any forward pass or patching, from the built model's shapes alone: its input holds a whole
     number of patches (at least one), the config's contrast tokens fit its patch grid, and a forward pass of
     `batch` images fits this machine's memory (see vca_patch.core.sizes)."""
     from vca_patch.core.model_io import model_input_size
     from vca_patch.surgery import inspect_model
+    from vca_patch.targets import TargetConfig
 
     try:
         report = inspect_model(net)
@@ -295,8 +275,8 @@ def check_model_sizes(net: nn.Module, config: Any, *, batch: int, device: str = 
                         f"pixels past the last patch would be dropped); use --img-size {side} or "
                         f"{side + patch}")  # fmt: skip
     grid = layout.grid
-    for n in sorted(set(contrast_token_counts(config)), reverse=True)[:1]:
-        check_contrast_tokens(n, grid)
+    if isinstance(config, TargetConfig):
+        config.fit_grid(tuple(grid))  # its settings fit the grid (the rule patch_model applies)
     tokens = layout.num_prefix_tokens + grid[0] * grid[1]
     site = report.patched[0]
     estimate = activation_bytes(tokens, site.dim, len(report.patched), batch, heads=site.num_heads)

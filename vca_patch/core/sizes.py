@@ -116,7 +116,7 @@ def check_image_size(
         )
 
 
-def check_contrast_tokens(n: int, grid: tuple[int, int], option: str = "--contrast-tokens") -> None:
+def check_contrast_tokens(n: int, grid: tuple[int, int], option: str = "contrast_tokens (--contrast-tokens)") -> None:
     """Contrast tokens pool the patch grid: more tokens than it has patches would repeat patches instead of
     summarising them (and cost more than they save), so they are refused, naming the largest square that fits."""
     height, width = grid
@@ -124,8 +124,8 @@ def check_contrast_tokens(n: int, grid: tuple[int, int], option: str = "--contra
     if n > patches:
         side = min(height, width)
         raise SizeError(
-            f"{option} {n} is more than the {height}×{width} patch grid's {patches} patches; pass {option} "
-            f"{side * side} ({side}×{side}) or fewer, or a larger --img-size"
+            f"{option} {n} is more than the {height}×{width} patch grid's {patches} patches; use "
+            f"{side * side} ({side}×{side}) or fewer, or a larger image size (--img-size)"
         )
 
 

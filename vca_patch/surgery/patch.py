@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,8 +135,19 @@ def _checked_config(config: Any) -> TargetConfig:
     )
 
 
+def _fitted(adapter: ModelAdapter, model: nn.Module, config: TargetConfig) -> tuple[TargetConfig, list[str]]:
+    """`config.fit_grid` at the model's patch grid, where the adapter knows it (the rule the CLI applies too), and
+    its notes on the defaults it fitted."""
+    try:
+        layout = adapter.default_layout(model)
+    except Exception:  # a layout this adapter cannot read here: the sites' own checks say what is wrong
+        layout = None
+    return (config, []) if layout is None else config.fit_grid(tuple(layout.grid))
+
+
 def _plan(model: nn.Module, config: TargetConfig, strict: bool):
-    """Find, verify, select and build every replacement without touching the model."""
+    """Find, verify, select and build every replacement without touching the model; with the config fitted to
+    the model's grid (`_fitted`)."""
     config.validate()
     adapter = adapter_for(model)
     if adapter is None:
@@ -143,6 +155,7 @@ def _plan(model: nn.Module, config: TargetConfig, strict: bool):
             f"no adapter knows {type(model).__module__}.{type(model).__name__}; supported: timm ViT-style models and "
             "Hugging Face transformers vision encoders, or models whose attention passes generic verification"
         )
+    config, notes = _fitted(adapter, model, config)
     try:
         found, skipped = adapter.find_sites(model)
     except Exception as error:  # an unexpected model: say why instead of a traceback from inside a library
@@ -193,7 +206,7 @@ def _plan(model: nn.Module, config: TargetConfig, strict: bool):
         refused = [f"{s.path}: {'; '.join(s.notes) or 'not verified'}" for s in built if s.notes or not s.verified]
         if refused:
             raise PatchError("strict mode refuses approximate or unverified conversions: " + "; ".join(refused))
-    return adapter, built, skipped + unselected, replacements, block_edits, params_before
+    return config, notes, adapter, built, skipped + unselected, replacements, block_edits, params_before
 
 
 def _error_text(error: Exception) -> str:
@@ -229,7 +242,7 @@ def _report(adapter, model, config, chosen, skipped, replacements, block_edits, 
 def inspect_model(model: nn.Module, config: TargetConfig | None = None, *, strict: bool = False) -> PatchReport:
     """Dry run: the report `patch_model` would give, leaving the model exactly as it is."""
     config = _checked_config(config)
-    adapter, chosen, skipped, replacements, block_edits, params_before = _plan(model, config, strict)
+    config, _, adapter, chosen, skipped, replacements, block_edits, params_before = _plan(model, config, strict)
     _block_forwards(model, config, chosen)  # its checks
     return _report(adapter, model, config, chosen, skipped, replacements, block_edits, params_before)
 
@@ -245,7 +258,9 @@ def patch_model(model: nn.Module, config: TargetConfig | None = None, *, strict:
     config = _checked_config(config)
     if get_patch_state(model) is not None:
         raise PatchError("model is already patched; call vca_patch.unpatch_model(model) first")
-    adapter, chosen, skipped, replacements, block_edits, params_before = _plan(model, config, strict)
+    config, notes, adapter, chosen, skipped, replacements, block_edits, params_before = _plan(model, config, strict)
+    for note in notes:  # a default fitted to the grid (the CLI prints the same note)
+        warnings.warn(f"vca_patch: {note}", UserWarning, stacklevel=2)
     forwards = _block_forwards(model, config, chosen)
 
     tracker = adapter.install_layout_tracker(model)

@@ -171,6 +171,13 @@ class TargetConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
 
+    def fit_grid(self, grid: tuple[int, int]) -> tuple[TargetConfig, list[str]]:
+        """Hook: this config for a model whose patch grid at its input size is `grid` (rows, columns), with a note
+        for each default it had to change. `patch_model`, `inspect_model` and the CLI all call it before building
+        anything, so one rule holds for both: a setting the grid cannot take is refused (SizeError naming the
+        field), a default it cannot take is fitted. Default: the config as it is, no notes."""
+        return self, []
+
     def build_layer(self, carried: CarriedAttention, layer_index: int) -> nn.Module:
         """The replacement for one attention module, reusing `carried` and initialised."""
         raise NotImplementedError

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from vca_patch.core.errors import ConfigError
+from vca_patch.core.sizes import check_contrast_tokens
 from vca_patch.layers.carried import CarriedAttention
 from vca_patch.targets.base import RecipeOptions, TargetConfig, register_target
 from vca_patch.targets.mano.config import MANOConfig
@@ -137,6 +138,14 @@ class MergeConfig(TargetConfig):
                     f"first block that merges (block {first}), but {name} asks for blocks {late}. Set their r (and "
                     f"that of every earlier block) to 0 in `schedule`, or take them out of {name}"
                 )
+
+    def fit_grid(self, grid: tuple[int, int]) -> tuple[MergeConfig, list[str]]:
+        """VCA blocks pool at most the grid's patches (VCA's rule, `check_contrast_tokens`); nothing is fitted."""
+        if min(grid) < 1:  # no whole patch: the size checks refuse the image size itself
+            return self, []
+        for n in (self.vca_layers or {}).values():
+            check_contrast_tokens(n, grid, "vca_layers")
+        return self, []
 
     def r_for(self, layer_index: int) -> int:
         """Tokens merged after block `layer_index`'s attention."""

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from vca_patch.core.errors import ConfigError
+from vca_patch.core.sizes import check_contrast_tokens
 from vca_patch.layers.carried import CarriedAttention
 from vca_patch.layers.joint_carry import CarriedJointAttention, CarriedSingleStreamAttention
 from vca_patch.layers.staged_carry import StagedCarriedAttention, default_stage_contrast_tokens
@@ -133,6 +134,24 @@ class VCAConfig(TargetConfig):
         },
     )
     rope_contrast: str = "pooled"
+
+    def fit_grid(self, grid: tuple[int, int]) -> tuple[VCAConfig, list[str]]:
+        """The default contrast tokens shrunk to the largest square `grid` holds where they do not fit (a small
+        image), said in a note; a count the user chose past the grid is refused (`check_contrast_tokens`): more
+        contrast tokens than patches would repeat patches instead of summarising them, and cost more than they
+        save. Hierarchical models' stage counts are checked per stage when their layers are built."""
+        config, notes = self, []
+        default, side = type(self).__dataclass_fields__["contrast_tokens"].default, min(grid)
+        if side < 1:  # no whole patch: the size checks refuse the image size itself
+            return config, notes
+        if self.contrast_tokens == default and side * side < default:
+            config = dataclasses.replace(self, contrast_tokens=side * side)
+            notes.append(f"the default {default} contrast tokens do not fit the {grid[0]}×{grid[1]} patch grid; "
+                         f"using {side * side}")  # fmt: skip
+        check_contrast_tokens(config.contrast_tokens, grid)
+        for n in (config.layer_contrast_tokens or {}).values():
+            check_contrast_tokens(n, grid, "layer_contrast_tokens")
+        return config, notes
 
     @property
     def contrast_grid(self) -> tuple[int, int]:
