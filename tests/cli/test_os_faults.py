@@ -233,3 +233,22 @@ def test_a_file_size_limit_while_saving_is_one_line_and_leaves_nothing(tmp_path)
     assert _error_lines(done.stderr) == [done.stderr.strip().splitlines()[-1]], done.stderr
     assert "largest size allowed" in done.stderr and "ulimit -f" in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("form", ["pt2", "onnx"])
+def test_a_file_size_limit_while_exporting_is_one_line_and_leaves_nothing(form, tmp_path):
+    """A real EFBIG while writing the export: torch's own zip writer would abort the process (".pt2" is serialised
+    in memory and written by Python instead), the ONNX writer's error is named; the checkpoint stays as it was."""
+    ckpt = tmp_path / "ckpt"
+    assert runner.invoke(app, [*CONVERT, "-o", str(ckpt)]).exit_code == 0
+    before = {p: p.read_bytes() for p in ckpt.iterdir()}
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    done = _vca_patch("export", str(ckpt), "-f", form, "-o", str(tmp_path / f"m.{form}"), preexec_fn=limit)
+    assert done.returncode == 1, done.stderr
+    assert _error_lines(done.stderr) == [done.stderr.strip().splitlines()[-1]], done.stderr
+    assert "largest size allowed" in done.stderr and "terminate called" not in done.stderr
+    assert sorted(tmp_path.iterdir()) == [ckpt] and {p: p.read_bytes() for p in ckpt.iterdir()} == before

@@ -11,6 +11,7 @@ smallest refused sizes and the export fails if it is wrong there. Nothing is wri
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -253,8 +254,11 @@ def _write(
     optimize: bool,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """Write `program` in `format` to `tmp` and return the reloaded model's forward."""
-    if format == "pt2":
-        torch.export.save(program, tmp)
+    if format == "pt2":  # serialised in memory, then written by Python: a full disk or a file-size limit is an
+        buffer = io.BytesIO()  # OSError naming it, where torch's own zip writer aborts the process
+        torch.export.save(program, buffer)
+        with open(tmp, "wb") as file:
+            file.write(buffer.getbuffer())
         return torch.export.load(tmp).module()
     write_onnx(program, example, tmp, opset, optimize=optimize)
     return onnx_runner(tmp)
