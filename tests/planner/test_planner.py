@@ -128,7 +128,9 @@ def test_plan_model_end_to_end_and_the_plan_file(tmp_path):
         calibrate=False, repeats=3, min_time=0.05, log=lines.append,
     )  # fmt: skip
     assert result.chosen.latency <= 4.0 * 1.05 and result.measured["latency_ratio"] > 0
-    assert set(result.sensitivity.merge) == {(0, 2), (2, 4)}
+    # the merge schedules whose plans the latency model puts within reach (which depends on this run's timings:
+    # on a loaded machine one of the two read out of reach)
+    assert set(result.sensitivity.merge) and set(result.sensitivity.merge) <= {(0, 2), (2, 4)}
     pays = result.table.paying("vca", MIN_SAVING) == [4]  # at 17 tokens VCA(4) rarely saves time
     assert len(result.sensitivity.vca) == (4 if pays else 0)
     assert pays or any("VCA n=4: a block takes" in line and "does not pay here" in line for line in lines)
