@@ -46,6 +46,7 @@ from vca_patch.core.weights import WeightsMismatchError, load_state_dict_checked
 from vca_patch.families import adapter_by_name
 from vca_patch.surgery import PatchError, get_patch_state, patch_model, patched_layers
 from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.protocols import PackedForm
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -187,7 +188,7 @@ def _packed_choice(model: nn.Module, packed: bool | None, form: str) -> bool:
     packed = held if packed is None else packed
     if held and not packed:
         raise ValueError(f"this {config.target} model is held in packed form and saves packed only (packed=True)")
-    if packed and not hasattr(config, "packed_state_dict"):
+    if packed and not isinstance(config, PackedForm):
         raise ValueError(f"target {config.target!r} has no packed checkpoint form")
     if packed and form != "merged":
         raise ValueError("a packed checkpoint is merged (form='merged')")
@@ -307,11 +308,11 @@ def from_pretrained(
     if delta:
         state = merge_delta(state, base_state_dict, list(model.state_dict()), meta["delta"])
     if meta.get("packed"):  # the target rebuilds its packed modules from the file's tensors
-        load_packed = getattr(get_patch_state(model).config, "load_packed", None)
-        if load_packed is None:
+        config = get_patch_state(model).config
+        if not isinstance(config, PackedForm):
             raise CheckpointError(f"{path} is packed, but target {meta['config'].get('target')!r} has no packed form")
         try:
-            load_packed(model, state, str(path))
+            config.load_packed(model, state, str(path))
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
     try:

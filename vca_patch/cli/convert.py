@@ -53,6 +53,7 @@ from vca_patch.core.paths import check_output
 from vca_patch.families import hooks_for, libraries
 from vca_patch.surgery import get_patch_state, patch_model
 from vca_patch.targets.base import CONFIG_TYPES, TargetConfig
+from vca_patch.targets.protocols import PackedForm
 
 DEFAULT_TARGET = "vca"
 CALIBRATION_IMAGES = 256  # without --budget (with it: convert_budget.PLAN_IMAGES)
@@ -311,7 +312,7 @@ def _check_output(args: ConvertArgs) -> None:
 
 def _convert_only_options(args: ConvertArgs) -> dict[str, tuple[bool, tuple[str, ...]]]:
     """Options of `convert` that are not config fields, {flag: (given, the targets they apply to)}."""
-    packers = tuple(name for name, cls in sorted(CONFIG_TYPES.items()) if hasattr(cls, "load_packed"))
+    packers = tuple(name for name, cls in sorted(CONFIG_TYPES.items()) if issubclass(cls, PackedForm))
     calibration = {
         "--calibration-data": args.calibration_data is not None,
         "--split": args.split != "train",

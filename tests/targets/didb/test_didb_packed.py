@@ -273,3 +273,18 @@ def test_bench_comparison_reports_the_three_forms():
     memory = result["total"]["weight_bytes"]
     assert memory["packed xnor"] * 20 < memory["float Linear"] <= memory["float emulation"]
     assert all(v > 0 for v in result["total"]["latency_ms"].values())
+
+
+def test_the_packed_form_is_a_protocol_shared_code_checks(tmp_path):
+    """`save_pretrained(..., packed=True)` asks `isinstance(config, PackedForm)`: DIDB implements it, VCA does not
+    and is refused in one line; a plug-in that gives only part of the protocol is not a packer either."""
+    from vca_patch.targets.protocols import PackedForm
+
+    assert isinstance(DIDBConfig(), PackedForm) and not isinstance(vca_patch.VCAConfig(), PackedForm)
+    half = type("Half", (), {"packed_state_dict": lambda self, model: {}})()
+    assert not isinstance(half, PackedForm)
+    model, args = tiny()
+    vca_patch.patch_model(model, vca_patch.VCAConfig(contrast_tokens=4))
+    with pytest.raises(ValueError, match="target 'vca' has no packed checkpoint form"):
+        vca_patch.save_pretrained(model, tmp_path / "packed", model_args=args, packed=True)
+    assert not (tmp_path / "packed").exists()
