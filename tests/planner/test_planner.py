@@ -462,6 +462,40 @@ def test_a_faster_plan_as_faithful_is_chosen(monkeypatch, middle, chosen):
     assert any("as faithful and faster" in line for line in lines) == (chosen == 1)
 
 
+def test_with_a_recovery_given_vca_finalists_compete_recovered(monkeypatch):
+    """`recover` runs on each finalist with VCA blocks (never on merging-only plans) before it is scored: a VCA plan
+    that loses to merging training-free wins once recovered."""
+    from vca_patch.planner import planner as planner_module
+
+    model = tiny_dinov2()
+    cands = [
+        Candidate([0, 0, 0, 0], {0: 4}, latency=0.7, cls=0.99, patch=0.99),
+        Candidate([0, 2, 2, 2], {}, latency=0.65, cls=0.95, patch=0.95),
+    ]
+
+    def fake_fidelity(twin, images, reference):
+        name = _planned_name(twin)
+        score = {"merge r=2 from block 1": 0.95}.get(name, 0.99 if getattr(twin, "recovered", False) else 0.9)
+        return {"cls_cosine": score, "patch_token_cosine": score, "cls_per_image": [score], "patch_per_image": [score]}
+
+    recovered: list[str] = []
+
+    def recover(twin, original):
+        recovered.append(_planned_name(twin))
+        twin.recovered = True
+        return "recovered"
+
+    _stand_in_twins(monkeypatch, {c.describe(): c.latency for c in cands})
+    monkeypatch.setattr(planner_module, "plan_fidelity", fake_fidelity)
+    images, info = torch.randn(2, 3, RES, RES), model_info(model)
+    plain, _ = choose_measured(model, info, cands, 0.8, "both", images)
+    lines: list[str] = []
+    chosen, scores = choose_measured(model, info, cands, 0.8, "both", images, recover=recover, log=lines.append)
+    assert plain.describe() == cands[1].describe() and chosen.describe() == cands[0].describe()
+    assert recovered == ["VCA 0:n=4"] and scores["cls_cosine"] == 0.99
+    assert any("VCA 0:n=4: recovered" in line for line in lines)
+
+
 def test_finalists_are_calibrated_and_measured_on_different_images(monkeypatch):
     """A plan's VCA blocks are never scored on the images they were calibrated on (that flatters VCA plans)."""
     from vca_patch.planner import planner as planner_module

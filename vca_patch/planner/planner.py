@@ -44,6 +44,8 @@ MIN_SAVING = 0.03  # a VCA / MANO block must be this much faster than a softmax 
 # a smaller VCA n must be this much (of a softmax block) faster than the next larger n to be an option too: at 518 px
 # on DINOv2-S n = 16 saved 1.1 ms of a 34.5 ms block over n = 49 and lost more fidelity in every block
 FEWER_TOKENS_SAVING = 0.1
+# recover(twin, original) -> a line for the log: trains a planned copy's new parameters in place (a recipe run)
+Recover = Callable[[nn.Module, nn.Module], str]
 # a faster finalist whose measured objective is at most this much lower counts as equally faithful and is chosen
 EQUAL_FIDELITY = 0.002
 
@@ -274,11 +276,14 @@ def _measure_finalists(
     *,
     calibrate: bool,
     unmerge: str,
+    recover: Recover | None = None,
+    log: Callable[[str], None] | None = None,
     **timing: Any,
 ) -> None:
     """Apply, score and time together the plans in `chosen` not yet in `measured`, adding them there and to
     `timed` (an anchor is timed again: finalists are compared in one timing, under the same load): with
-    calibration, VCA blocks calibrated on every other image and every plan scored on the rest."""
+    calibration, VCA blocks calibrated on every other image and every plan scored on the rest; with `recover`, a
+    plan with VCA blocks is recovered before it is scored, so it competes as it would be delivered."""
     fit, held_out = split_for_measurement(images, calibrate)
     reference = None
     twins: dict[str, nn.Module] = {}
@@ -289,6 +294,10 @@ def _measure_finalists(
         reference = tokens(model, held_out, 8) if reference is None else reference
         config = plan_config(cand, info, calibrate=calibrate, unmerge=unmerge)
         twins[name] = apply_plan(copy.deepcopy(model), config, fit if _calibrates(cand) else None)
+        if recover is not None and cand.vca_layers:
+            line = recover(twins[name], model)
+            if log is not None:
+                log(f"  {name}: {line}")
         measured[name] = plan_fidelity(twins[name], held_out, reference)
     if twins:
         intervals = time_plans(model, twins, int(images.shape[-1]), **timing)
@@ -330,6 +339,7 @@ def choose_measured(
     timing: RatioTiming | None = None,
     timed: TimedPlans | None = None,
     merge_fractions: Sequence[float] = (),
+    recover: Recover | None = None,
 ) -> tuple[Candidate, dict[str, Any]]:
     """The plan whose *measured* objective is best among those *measured* within `budget` (`finalists`); it carries
     its measured latency (`Candidate.measured_latency`). The prediction only shortlists: on DINOv2 it read 0.60x for
@@ -344,6 +354,9 @@ def choose_measured(
     (and holds those measured before, e.g. the anchors, for the message when nothing fits). If no finalist measures
     within the budget, the best predicted within it is kept (`PlanResult.over_budget` then flags it); with none
     predicted within it either, PlanError names the fastest plan measured and what would reach further.
+
+    With `recover(twin, original)` (a recipe run, say), each finalist with VCA blocks is recovered before it is
+    scored: recovered VCA competes with merging as it would be delivered.
 
     A plan with VCA or MANO blocks replaces the best merging-only plan only if it beats it beyond noise
     (`beats_beyond_noise`): on DINOv2 at 518 px, scored on 4 crops, a mixed plan read 0.986 against merging's
@@ -361,7 +374,7 @@ def choose_measured(
     if shortlist == [best_predicted]:
         return best_predicted, {}
     _measure_finalists(model, info, shortlist, images, measured, timed, calibrate=calibrate, unmerge=unmerge,
-                       timing=timing, repeats=repeats, min_time=min_time)  # fmt: skip
+                       recover=recover, log=log, timing=timing, repeats=repeats, min_time=min_time)  # fmt: skip
     for cand in shortlist:
         if timed.get(cand.describe()) != _interval(measured[cand.describe()]):  # measured by an earlier call
             timed.add(cand, _interval(measured[cand.describe()]))
@@ -658,6 +671,7 @@ def plan_model(
     timing: RatioTiming | None = None,
     search_margin: float | None = SEARCH_MARGIN,
     top: int = 4,
+    recover: Recover | None = None,
 ) -> PlanResult:
     """Plan `model` (unpatched, eval mode) at `resolution` to run within `budget` × the original's latency.
 
@@ -676,7 +690,9 @@ def plan_model(
     clear of the budget, `repeats` rounds and `min_time` seconds at least, 30 × `min_time` seconds at most).
     `search_margin`: sensitivity is measured only for what a plan predicted within `budget` × (1 ± margin) could
     use, the margin widened to the first timings' own spread (`TimedPlans.spread`; None: everything). `top`:
-    finalists by predicted objective.
+    finalists by predicted objective. `recover(twin, original)`: each finalist with VCA blocks is recovered (a recipe
+    run, in place on a planned copy) before it is scored, so recovered VCA competes with merging (each such
+    finalist costs one recovery).
     """
     log = log or (lambda message: None)
     unmerge = _checked_options(images, budget, resolution, objective, unmerge, merge_fractions, mano_windows,
@@ -704,7 +720,7 @@ def plan_model(
     log("measuring the best predicted plans on the calibration images")
     chosen, finalist, table, cands = _choose(
         model, info, table, sens, images, timed, budget=budget, objective=objective, top=top, log=log,
-        calibrate=calibrate, unmerge=unmerge, merge_fractions=merge_fractions, **timing,
+        calibrate=calibrate, unmerge=unmerge, merge_fractions=merge_fractions, recover=recover, **timing,
     )  # fmt: skip
     config = plan_config(chosen, info, calibrate=calibrate, unmerge=unmerge)
     measured: dict[str, float] = {}

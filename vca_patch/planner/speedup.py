@@ -21,10 +21,8 @@ from torch import nn
 from vca_patch.core.patch_state import get_patch_state
 from vca_patch.eval.final_tokens import fidelity, latency, tokens
 from vca_patch.planner.model_info import PlanError
-from vca_patch.planner.planner import PlanResult, apply_plan, plan_model
+from vca_patch.planner.planner import PlanResult, Recover, apply_plan, plan_model
 from vca_patch.targets.base import TargetConfig
-
-Recover = Callable[[nn.Module, nn.Module], str]  # (converted model, original) -> one line saying what was done
 
 HOLD_OUT_EVERY = 5  # without eval images: every 5th calibration image (counted from the last) is kept apart
 VCA_PAYS_FROM_TOKENS = 250  # VCA with its defaults beats fused softmax attention from ~220-270 tokens (README)
@@ -144,16 +142,17 @@ def make_faster(
     measured on `eval_images` (same shape but B), or, without them, on every HOLD_OUT_EVERY-th of `images` (counted
     from the last), which are then kept out of planning and calibration. `plan_options` go to `plan_model`
     (contrast_tokens, merge_fractions, mano_windows, local_window, objective, ...). `recover(model, original)`, when
-    given, runs after calibration on a plan with VCA blocks (merging and MANO have no new parameters to train) and
-    returns a line for the report. A copy of the original is kept only while recovering and measuring. Raises
-    PlanError (nothing changed) when no plan fits the budget, or the best one within it is the original itself.
+    given, recovers each planning finalist with VCA blocks before it is scored (recovered VCA is a candidate), and
+    runs again after calibration on the chosen plan when it has VCA blocks (merging and MANO have no new parameters
+    to train), returning a line for the report. A copy of the original is kept only while recovering and measuring.
+    Raises PlanError (nothing changed) when no plan fits the budget, or the best one within it is the original.
     """
     if get_patch_state(model) is not None:
         raise PlanError("make_faster plans an unpatched model; this one is patched already (unpatch_model first)")
     calib, held, where = _split(images, eval_images)
     result = plan_model(
         model, calib, budget=budget, resolution=resolution, measure=False, repeats=repeats,
-        min_time=min_time, log=log, **plan_options,
+        min_time=min_time, log=log, recover=recover, **plan_options,
     )  # fmt: skip
     if result.chosen.is_original:
         raise PlanError(f"within {budget:g}x at {resolution} px the planner keeps the original: no conversion it "
