@@ -242,7 +242,7 @@ def run_size(size: int, settings: dict, quick: bool, log: Callable[[str], None])
     cache = Cache(settings.get("cache"), size)
     models: dict[str, nn.Module] = {"original": model}
     records: dict[str, dict] = {}
-    for row in [r for r in fixed_rows() if not settings.get("rows") or r.name in settings["rows"]]:
+    for row in [r for r in fixed_rows() if settings.get("rows") is None or r.name in settings["rows"]]:
         log(f"  {row.name}")
         models[row.name] = converted(model, row, calib, cache)
         records[row.name] = {"kind": row.kind, "calibrated": row.calibrated}
@@ -353,7 +353,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budgets", type=float, nargs="*", help="the planner's budgets (default 0.8 .. 0.25)")
     parser.add_argument("--eval-crops", type=int, help="held-out crops besides the 10 whole photos (38)")
     parser.add_argument("--calibration", type=int, help="calibration crops (16)")
-    parser.add_argument("--rows", nargs="+", help="only these fixed rows, by name (default: all)")
+    parser.add_argument("--rows", nargs="*", help="only these fixed rows, by name (default: all; none: planner only)")
     parser.add_argument("--recover-steps", type=int, default=0, help="recovery steps per calibrated row (0: none)")
     parser.add_argument("--recover-size", type=int, default=0, help="train the recovery at this size (0: its own)")
     parser.add_argument("--min-time", type=float, help="seconds each model is timed at least (2)")
