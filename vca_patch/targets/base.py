@@ -267,7 +267,7 @@ class TargetConfig:
     def from_json(cls, text: str) -> TargetConfig:
         return cls.from_dict(json.loads(text))
 
-    # ---- Calibration and compute-kernel hooks (issue #41): recovery/calibrate.py's driver and bench/ call these ----
+    # ---- Calibration and compute-kernel hooks recovery/calibrate.py's driver and bench/ call these ----
     # The target's per-layer calibration options: a frozen dataclass whose fields (typed, with their defaults and
     # metadata help, written once) are `vca_patch.calibrate`'s keywords for this target and whose construction
     # validates them (ConfigError). None: the target takes no calibration options (VCA: `VCACalibration`).
@@ -320,7 +320,7 @@ class TargetConfig:
 
     # ---- end of calibration and compute-kernel hooks ----
 
-    # ---- Recovery-training hooks (issue #41): train/params.py and the recipe engine call these ----
+    # ---- Recovery-training hooks train/params.py and the recipe engine call these ----
     recipe_options: ClassVar[RecipeOptions] = RecipeOptions()  # the keys the target adds to recipes (default: none)
 
     def parameter_groups(self, model: nn.Module) -> dict[str, list[nn.Parameter]]:
@@ -350,7 +350,7 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-# ---- Planning hooks (issue #41): the latency-budget planner (planner/) searches a target's plan space ----
+# ---- Planning hooks the latency-budget planner (planner/) searches a target's plan space ----
 class BlockKind:
     """One per-block choice of a plan besides the original attention: blocks of this kind run the registered target
     `name` with one integer setting per block (VCA: contrast tokens n; MANO: window k). `name` is also the kind's
