@@ -271,23 +271,12 @@ def _on(make, *command: str):
     return setup
 
 
-def _config_text(text: str):
-    """A maker: a copy of the checkpoint whose config.json holds `text`."""
+def _config_text(data: str | bytes):
+    """A maker: a copy of the checkpoint whose config.json holds `data` (text as UTF-8)."""
 
     def make(s: Scene) -> Path:
         folder = s.copy("ckpt")
-        (folder / "config.json").write_text(text)
-        return folder
-
-    return make
-
-
-def _config_text_bytes(data: bytes):
-    """A maker: a copy of the checkpoint whose config.json holds `data`."""
-
-    def make(s: Scene) -> Path:
-        folder = s.copy("ckpt")
-        (folder / "config.json").write_bytes(data)
+        (folder / "config.json").write_bytes(data.encode() if isinstance(data, str) else data)
         return folder
 
     return make
@@ -425,7 +414,7 @@ CASES = [
          "{x}", *CPU), r"tensor head\.weight is int8, not floating point", 2),
     Case("export-check-not-finite-api", _nan_export_api, r"check against eager at 32x32 is not finite.*nothing was "
          "written", 2),
-    Case("checkpoint-binary-config-push", _on(_config_text_bytes(bytes(range(256))), "push", "{x}", "a/b"),
+    Case("checkpoint-binary-config-push", _on(_config_text(bytes(range(256))), "push", "{x}", "a/b"),
          r"config\.json is not valid JSON", 2),
     Case("checkpoint-config-names-a-file-to-load", _on(lambda s: _edit_config(s, _model_args(
          checkpoint_path="/etc/passwd")), "fidelity", "{x}", *CPU), r"checkpoint_path", 2),
