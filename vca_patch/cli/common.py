@@ -199,27 +199,6 @@ def load_base(name: str, *, pretrained: bool, weights: Path | None, img_size: in
     return net
 
 
-def fit_default_contrast_tokens(net: nn.Module, config: Any) -> Any:
-    """`config` fitted to the model's patch grid by its target (`TargetConfig.fit_grid`, the rule `patch_model`
-    applies too): a default that does not fit a small --img-size is fitted and said in one line; a value the user
-    chose past the grid is refused."""
-    from vca_patch.surgery import inspect_model
-    from vca_patch.targets import TargetConfig
-
-    if not isinstance(config, TargetConfig):
-        return config
-    try:
-        layout = inspect_model(net).layout
-    except ValueError:  # not a model these checks can read: the conversion's own checks say why
-        return config
-    if layout is None:
-        return config
-    config, notes = config.fit_grid(tuple(layout.grid))
-    for note in notes:
-        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
-    return config
-
-
 def refuse_checkpoint_input(model: str) -> None:
     """MODEL is a folder vca-patch wrote (its config.json has `vca_patch_version` and a `base`): say what it is
     and what to do, instead of failing inside the loader (a converted model is not converted again)."""
@@ -250,22 +229,25 @@ def model_patch(net: nn.Module) -> int | None:
     return None if conv is None else int(conv.stride[0])
 
 
-def check_model_sizes(net: nn.Module, config: Any, *, batch: int, device: str = "cpu", what: str = "MODEL") -> None:
+def check_model_sizes(net: nn.Module, config: Any, *, batch: int, device: str = "cpu", what: str = "MODEL") -> Any:
     """Before any forward pass or patching, from the built model's shapes alone: its input holds a whole
-    number of patches (at least one), the config's contrast tokens fit its patch grid, and a forward pass of
-    `batch` images fits this machine's memory (see vca_patch.core.sizes)."""
+    number of patches (at least one), the config's settings fit its patch grid, and a forward pass of `batch`
+    images fits this machine's memory (see vca_patch.core.sizes). Returns `config` fitted to the grid by its
+    target (`TargetConfig.fit_grid`, the rule `patch_model` applies too): a value the user chose past the grid is
+    refused, a default that does not fit a small --img-size is fitted and said in one note line."""
     from vca_patch.core.model_io import model_input_size
     from vca_patch.surgery import inspect_model
-    from vca_patch.targets import TargetConfig
 
     try:
         report = inspect_model(net)
         _, height, width = model_input_size(net)
     except ValueError:  # not a model these checks can read: the conversion's own checks say why
-        return
+        return config
     layout, patch = report.layout, model_patch(net)
-    if layout is None or patch is None or not report.patched:  # hierarchical: one grid per stage
-        return
+    if layout is None:  # hierarchical: one grid per stage
+        return config
+    if patch is None or not report.patched:
+        return _fitted_to_grid(config, layout.grid)
     if min(height, width) < patch:
         raise SizeError(f"{what} takes {height}×{width} px, less than one {patch}×{patch} patch; use --img-size "
                         f"{patch} or more")  # fmt: skip
@@ -274,11 +256,23 @@ def check_model_sizes(net: nn.Module, config: Any, *, batch: int, device: str = 
         raise SizeError(f"{what} takes {height}×{width} px, not a whole number of {patch}×{patch} patches (the "
                         f"pixels past the last patch would be dropped); use --img-size {side} or "
                         f"{side + patch}")  # fmt: skip
+    config = _fitted_to_grid(config, layout.grid)
     grid = layout.grid
-    if isinstance(config, TargetConfig):
-        config.fit_grid(tuple(grid))  # its settings fit the grid (the rule patch_model applies)
     tokens = layout.num_prefix_tokens + grid[0] * grid[1]
     site = report.patched[0]
     estimate = activation_bytes(tokens, site.dim, len(report.patched), batch, heads=site.num_heads)
     check_memory(estimate, f"{what} at {height}×{width} px ({tokens} tokens, batch {batch})", device=str(device),
                  hint="use a smaller --img-size or fewer images at once")  # fmt: skip
+    return config
+
+
+def _fitted_to_grid(config: Any, grid: tuple[int, int]) -> Any:
+    """A target config through its `fit_grid` at `grid`, each note printed; anything else as it is."""
+    from vca_patch.targets import TargetConfig
+
+    if not isinstance(config, TargetConfig):
+        return config
+    config, notes = config.fit_grid(tuple(grid))
+    for note in notes:
+        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    return config

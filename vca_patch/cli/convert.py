@@ -20,7 +20,6 @@ from vca_patch.cli.common import (
     console,
     err_console,
     fail,
-    fit_default_contrast_tokens,
     load_base,
     parse_layers,
     prepare_cpu_kernel,
@@ -183,8 +182,7 @@ def convert(**options: Any) -> None:
     config = _checked_config(args, target_values)
     _check_inputs(args)
     net, base_weights = _build_base(args)
-    _check_sizes(args, net, config)  # first: a plan's own check and a size below a patch say more than the grid rule
-    config = fit_default_contrast_tokens(net, config)
+    config = _check_sizes(args, net, config)
     if args.plan is None:
         _note_if_vca_cannot_pay(args, net)
     _patch_measure_save(args, net, config, base_weights)
@@ -260,9 +258,10 @@ def _note_if_vca_cannot_pay(args: ConvertArgs, net: torch.nn.Module) -> None:
         )  # fmt: skip
 
 
-def _check_sizes(args: ConvertArgs, net: torch.nn.Module, config: TargetConfig) -> None:
-    """From the built model's shapes, before any forward pass: a plan made for this resolution and grid, contrast
-    tokens within the grid, an input of whole patches, and activations that fit this machine's memory."""
+def _check_sizes(args: ConvertArgs, net: torch.nn.Module, config: TargetConfig) -> TargetConfig:
+    """From the built model's shapes, before any forward pass: a plan made for this resolution and grid (its own
+    check first: it says more than the grid rule), an input of whole patches, settings that fit the grid, and
+    activations that fit this machine's memory. Returns the config fitted to the grid (`check_model_sizes`)."""
     if args.plan is not None:  # `load_plan` gave the plan space's config: check it fits this model's grid
         from vca_patch.core.model_io import model_input_size
         from vca_patch.planner import check_plan_fits
@@ -274,7 +273,7 @@ def _check_sizes(args: ConvertArgs, net: torch.nn.Module, config: TargetConfig) 
             if warning:
                 err_console.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     device = str(next(net.parameters()).device)
-    check_model_sizes(net, config, batch=args.probe_size, device=device, what=args.model)
+    return check_model_sizes(net, config, batch=args.probe_size, device=device, what=args.model)
 
 
 def _checked_config(args: ConvertArgs, target_values: dict[str, Any]) -> TargetConfig:

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from vca_patch.cli.common import check_model_sizes, console, fit_default_contrast_tokens, load_base, parse_layers
+from vca_patch.cli.common import check_model_sizes, console, load_base, parse_layers
 from vca_patch.cli.report_view import sites_table, totals_table
 from vca_patch.cli.target_options import split_options, target_config, target_names, typer_command
 from vca_patch.families import hooks_for
@@ -49,8 +49,7 @@ def inspect(**options: Any) -> None:
 def _show(args: InspectArgs, config: TargetConfig) -> None:
     model, strict = args.model, args.strict
     net = load_base(model, pretrained=args.pretrained, weights=args.weights, img_size=args.img_size)
-    config = fit_default_contrast_tokens(net, config)
-    check_model_sizes(net, config, batch=0, what=model)  # no forward pass: the grid and the contrast tokens
+    config = check_model_sizes(net, config, batch=0, what=model)  # no forward pass: the grid and the contrast tokens
     report = inspect_model(net, config, strict=strict)
     console.print(sites_table(report, dry_run=True))
     kinds = _kinds_table(net)

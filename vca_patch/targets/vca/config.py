@@ -139,7 +139,7 @@ class VCAConfig(TargetConfig):
         """The default contrast tokens shrunk to the largest square `grid` holds where they do not fit (a small
         image), said in a note; a count the user chose past the grid is refused (`check_contrast_tokens`): more
         contrast tokens than patches would repeat patches instead of summarising them, and cost more than they
-        save. Hierarchical models' stage counts are checked per stage when their layers are built."""
+        save. `stage_contrast_tokens` of hierarchical models are not checked here (`grid` is the first stage's)."""
         config, notes = self, []
         default, side = type(self).__dataclass_fields__["contrast_tokens"].default, min(grid)
         if side < 1:  # no whole patch: the size checks refuse the image size itself
