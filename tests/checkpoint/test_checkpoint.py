@@ -10,6 +10,7 @@ from vca_patch.checkpoint import CheckpointError, OutputExistsError, WeightsMism
 from vca_patch.checkpoint import folder as checkpoint_module
 from vca_patch.core.atomic import UnsafeOutputError
 from vca_patch.surgery import PatchError
+from vca_patch.targets import handler_for
 
 
 @pytest.mark.parametrize("config", [VCAConfig(), VCAConfig(layers=[1], contrast_tokens=4, softmax="separate")])
@@ -24,7 +25,8 @@ def test_save_reload_gives_identical_outputs(tmp_path, config):
     with torch.no_grad():
         assert torch.equal(model(x), again(x))
     # automatic choices saved as made (the default 49 contrast tokens fitted to this 4×4 grid: 16)
-    assert again.vca_patch_state.config == model.vca_patch_state.config.as_built(model)
+    config = model.vca_patch_state.config
+    assert again.vca_patch_state.config == handler_for(config).as_built(config, model)
     assert [type(b.attn).__name__ for b in again.blocks] == [type(b.attn).__name__ for b in model.blocks]
 
 

@@ -1,5 +1,5 @@
 """Issue #41: an out-of-tree target and an out-of-tree model family, defined here (outside vca_patch/) and
-registered the public way (`register_target`; `register_family`), work end to end."""
+registered the public way (`register_target` and `register_handler`; `register_family`), work end to end."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from vca_patch.families import (
 from vca_patch.layers.carried import CarriedAttention, CarriedAttentionLayer
 from vca_patch.layers.layout import TokenLayout
 from vca_patch.targets.base import CONFIG_TYPES, TargetConfig, register_target, unregister_target
+from vca_patch.targets.handler import TargetHandler, register_handler, unregister_handler
 
 TARGET = "test-scaled"
 FAMILY = "test-tinyvit"
@@ -61,7 +62,8 @@ class ScaledAttention(CarriedAttentionLayer):
 
 
 def _make_target_config() -> type[TargetConfig]:
-    """Defined and registered on demand (`register_target`), which the fixture undoes at teardown."""
+    """Defined and registered on demand (`register_target`, `register_handler`), which the fixture undoes at
+    teardown."""
 
     @register_target
     @dataclass
@@ -74,10 +76,12 @@ def _make_target_config() -> type[TargetConfig]:
             if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or self.scale <= 0:
                 raise ConfigError(f"scale must be a positive number, got {self.scale!r}")
 
-        def build_layer(self, carried: CarriedAttention, layer_index: int) -> nn.Module:
-            return ScaledAttention.from_carried(carried, scale=self.scale)
+    @register_handler(ScaledAttentionConfig)
+    class ScaledAttentionHandler(TargetHandler):
+        def build_layer(self, config: ScaledAttentionConfig, carried: CarriedAttention, layer_index: int) -> nn.Module:
+            return ScaledAttention.from_carried(carried, scale=config.scale)
 
-        def layer_settings(self, layer: nn.Module) -> dict[str, Any]:
+        def layer_settings(self, config: ScaledAttentionConfig, layer: nn.Module) -> dict[str, Any]:
             return {"scale": layer.initial_scale}  # from the build, not the weights (also called on meta)
 
     return ScaledAttentionConfig
@@ -92,6 +96,7 @@ def scaled() -> Iterator[type[TargetConfig]]:
         yield config_cls
     finally:
         unregister_target(TARGET)
+        unregister_handler(config_cls)
 
 
 def _outputs(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

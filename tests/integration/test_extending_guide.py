@@ -20,11 +20,12 @@ import vca_patch
 from vca_patch.cli import app
 from vca_patch.families import ADAPTERS, ModelAdapter, ModelLibrary
 from vca_patch.layers.macs import ATTENTION_MACS, attention_macs
-from vca_patch.targets import CONFIG_TYPES, TargetConfig
+from vca_patch.targets import CONFIG_TYPES, TargetConfig, TargetHandler, handler_for
+from vca_patch.targets.handler import HANDLERS
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = (ROOT / "docs" / "extending.md").read_text()
-# Hooks found by name on a config or an adapter rather than declared on the base classes.
+# Hooks found by name on a handler or an adapter rather than declared on the base classes.
 UNDECLARED_HOOKS = ("pack", "packed_state_dict", "load_packed", "install_replacement", "remove_replacement",
                     "vca_patch_input_size", "forward_features", "forward_head", "num_classes")  # fmt: skip
 INHERITED_ONLY = {"to_dict", "from_dict", "to_json", "from_json", "layers", "include", "exclude", "seed"}
@@ -34,7 +35,7 @@ def _public(cls: type) -> set[str]:
     return {name for name in vars(cls) if not name.startswith("_")}
 
 
-@pytest.mark.parametrize("cls", [TargetConfig, ModelAdapter, ModelLibrary], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [TargetConfig, TargetHandler, ModelAdapter, ModelLibrary], ids=lambda c: c.__name__)
 def test_the_guide_names_every_hook_of_the_plugin_classes(cls):
     missing = sorted(name for name in _public(cls) - INHERITED_ONLY if f"`{name}" not in GUIDE)
     assert missing == [], f"docs/extending.md does not document {cls.__name__}'s {missing}"
@@ -57,10 +58,15 @@ def toy() -> Iterator[ModuleType]:
         import toy_plugin
 
         assert CONFIG_TYPES["temp-softmax"] is toy_plugin.TempSoftmaxConfig
+        assert type(handler_for(toy_plugin.TempSoftmaxConfig)).__name__ == "TempSoftmaxHandler"  # with its config
         assert ADAPTERS["toy-vit"] is toy_plugin.ToyViTAdapter and list(ADAPTERS)[-2:] == ["toy-vit", "generic"]
         yield toy_plugin
     finally:
-        for registry, name in ((CONFIG_TYPES, "temp-softmax"), (ATTENTION_MACS, "temp-softmax"), (ADAPTERS, "toy-vit")):
+        registries = (
+            (CONFIG_TYPES, "temp-softmax"), (ATTENTION_MACS, "temp-softmax"), (ADAPTERS, "toy-vit"),
+            (HANDLERS, "toy_plugin.target.TempSoftmaxConfig"),
+        )  # fmt: skip
+        for registry, name in registries:
             if registry.holds(name):
                 registry.unregister(name)
         sys.path.remove(str(ROOT / "examples" / "plugin" / "src"))

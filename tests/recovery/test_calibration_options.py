@@ -1,5 +1,6 @@
-"""Calibration options are declared once, by the target (`TargetConfig.calibration_options`); the
-generic driver (`vca_patch.calibrate`) and the CLI read them from the registered target."""
+"""Calibration options are declared once, by the target (`TargetConfig.calibration_options`, validated by its
+handler's `calibration_settings`); the generic driver (`vca_patch.calibrate`) and the CLI read them from the
+registered target."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from vca_patch.layers.layout import TokenLayout
 from vca_patch.recovery import calibrate
 from vca_patch.recovery.calibrate import CalibrationOptions
 from vca_patch.targets.base import CONFIG_TYPES, TargetConfig, register_target
+from vca_patch.targets.handler import TargetHandler, handler_for, register_handler, unregister_handler
 from vca_patch.targets.vca.calibrate import VCACalibration
 
 TARGET = "test-gain"
@@ -62,15 +64,19 @@ def _make_target() -> type[TargetConfig]:
         target: ClassVar[str] = TARGET
         calibration_options: ClassVar[type] = GainCalibration
 
-        def build_layer(self, carried: CarriedAttention, layer_index: int) -> nn.Module:
+    @register_handler(GainConfig)
+    class GainHandler(TargetHandler):
+        def build_layer(self, config: GainConfig, carried: CarriedAttention, layer_index: int) -> nn.Module:
             layer = GainAttention.from_carried(carried)
             layer.layer_index = layer_index
             return layer
 
-        def calibrates(self, layer: nn.Module) -> bool:
+        def calibrates(self, config: GainConfig, layer: nn.Module) -> bool:
             return isinstance(layer, GainAttention)
 
-        def calibrate_layer(self, layer: nn.Module, capture: Any, teacher: Any, measure: Any, options: Any) -> dict:
+        def calibrate_layer(
+            self, config: GainConfig, layer: nn.Module, capture: Any, teacher: Any, measure: Any, options: Any
+        ) -> dict:
             """The gain minimising ‖g·y − o‖² + ridge·‖g·y‖² over the captured outputs o, in closed form."""
             assert isinstance(options, GainCalibration)  # the driver hands over the validated instance
             measure("init")
@@ -92,6 +98,7 @@ def gain() -> Iterator[type[TargetConfig]]:
         yield config_cls
     finally:
         CONFIG_TYPES.pop(TARGET, None)
+        unregister_handler(config_cls)
 
 
 def test_vca_declares_its_options_once_with_help_and_validation():
@@ -100,10 +107,11 @@ def test_vca_declares_its_options_once_with_help_and_validation():
     assert all(f.metadata["help"] for f in fields(VCACalibration))
     driver = {f.name for f in fields(CalibrationOptions)}
     assert driver == {"grow_tokens", "inputs", "layer"}  # no copy of VCA's fields in the generic driver
-    assert VCACalibration() == vca_patch.VCAConfig.calibration_settings({})
-    assert vca_patch.VCAConfig.calibration_settings({"norm": "lstsq"}).norm == "lstsq"
+    vca = vca_patch.VCAConfig
+    assert VCACalibration() == handler_for(vca).calibration_settings(vca, {})
+    assert handler_for(vca).calibration_settings(vca, {"norm": "lstsq"}).norm == "lstsq"
     with pytest.raises(ConfigError, match=r"unknown VCA calibration options \['norms'\]; valid: \['dwc'"):
-        vca_patch.VCAConfig.calibration_settings({"norms": "rms"})
+        handler_for(vca).calibration_settings(vca, {"norms": "rms"})
     with pytest.raises(ConfigError, match="norm must be 'rms', 'lstsq' or None"):
         VCACalibration(norm="l2")
 

@@ -20,6 +20,7 @@ from vca_patch.core.errors import ConfigError
 from vca_patch.layers.carried import CarriedAttention, CarriedAttentionLayer
 from vca_patch.layers.layout import TokenLayout
 from vca_patch.targets.base import CONFIG_TYPES, RecipeOptions, TargetConfig, register_target
+from vca_patch.targets.handler import TargetHandler, register_handler, unregister_handler
 from vca_patch.targets.vca.recipe import VCARecipeStage, VCARecipeTrain
 from vca_patch.train import RecipeError, StageSpec, TrainSpec, load_recipe, recipe_from_dict
 from vca_patch.train.optim import stage_optimizer
@@ -74,13 +75,15 @@ def _make_target() -> type[TargetConfig]:
         target: ClassVar[str] = TARGET
         recipe_options: ClassVar[RecipeOptions] = RecipeOptions(train=ScaleTrain, stage=ScaleStage)
 
-        def build_layer(self, carried: CarriedAttention, layer_index: int) -> nn.Module:
+    @register_handler(ScaleConfig)
+    class ScaleHandler(TargetHandler):
+        def build_layer(self, config: ScaleConfig, carried: CarriedAttention, layer_index: int) -> nn.Module:
             return ScaledAttention.from_carried(carried)
 
-        def parameter_groups(self, model: nn.Module) -> dict[str, list[nn.Parameter]]:
+        def parameter_groups(self, config: ScaleConfig, model: nn.Module) -> dict[str, list[nn.Parameter]]:
             return {"scale": _scales(model)}
 
-        def guard_parameters(self, model: nn.Module, options: Any) -> int:
+        def guard_parameters(self, config: ScaleConfig, model: nn.Module, options: Any) -> int:
             assert isinstance(options, ScaleTrain)  # its own keys, as its dataclass
             moved = [p for p in _scales(model) if float(p.detach()) > options.scale_max]
             with torch.no_grad():
@@ -98,6 +101,7 @@ def scale() -> Iterator[type[TargetConfig]]:
         yield config_cls
     finally:
         CONFIG_TYPES.pop(TARGET, None)
+        unregister_handler(config_cls)
 
 
 def test_the_schema_names_no_target_key_and_vca_declares_its_own():

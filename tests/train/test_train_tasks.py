@@ -8,6 +8,7 @@ import torch
 import vca_patch
 from tests.support.recovery import head_less_pair
 from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.handler import handler_for
 from vca_patch.targets.vca.training import lambda_parameters
 from vca_patch.train import recipe_from_dict
 from vca_patch.train.objective import STAGE_LOSSES
@@ -42,10 +43,10 @@ def test_register_task_adds_the_task_and_its_losses():
 
 
 def test_target_training_hooks_default_to_nothing():
-    config = TargetConfig()
+    config, handler = TargetConfig(), handler_for(TargetConfig)
     model = torch.nn.Linear(2, 2)
-    assert config.parameter_groups(model) == {} and config.guard_parameters(model, None) == 0
-    assert config.parameter_trace(model) == {}
+    assert handler.parameter_groups(config, model) == {} and handler.guard_parameters(config, model, None) == 0
+    assert handler.parameter_trace(config, model) == {}
     assert guard_parameters(model, TrainSpec()) == 0 and parameter_trace(model) == {}  # not patched: no target
 
 

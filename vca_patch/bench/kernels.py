@@ -1,4 +1,4 @@
-"""The registered targets' compute kernels (`TargetConfig.cpu_kernel()`), switched and reported together: bench
+"""The registered targets' compute kernels (their handlers' `cpu_kernel`), switched and reported together: bench
 code reaches VCA's fused CPU kernel (or any target's) only through the registry, never a target module."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from vca_patch.targets import CONFIG_TYPES
+from vca_patch.targets import CONFIG_TYPES, handler_for
 
 
 def cpu_kernels() -> dict[str, Any]:
@@ -15,7 +15,7 @@ def cpu_kernels() -> dict[str, Any]:
     target is listed once, under the first name)."""
     kernels: dict[str, Any] = {}
     for name, config_cls in CONFIG_TYPES.items():
-        kernel = config_cls.cpu_kernel()
+        kernel = handler_for(config_cls).cpu_kernel(config_cls)
         if kernel is not None and all(kernel is not k for k in kernels.values()):
             kernels[name] = kernel
     return kernels

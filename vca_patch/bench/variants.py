@@ -15,6 +15,8 @@ from vca_patch.bench.flops import model_shape
 from vca_patch.checkpoint import load_base_model
 from vca_patch.surgery import patch_model
 from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.handler import handler_for
+from vca_patch.targets.protocols import PackedForm
 
 ORIGINAL = "original"
 UNFUSED = "original-unfused"
@@ -96,10 +98,12 @@ def build_variants(
 
 
 def _packed_copy(patched: nn.Module, config: TargetConfig) -> nn.Module | None:
-    """A copy held in the target's packed form (`config.pack`); None without one or when it does not apply."""
-    if not hasattr(config, "pack"):
+    """A copy held in the target's packed form (its handler's `pack`); None without one or when it does not
+    apply."""
+    handler = handler_for(config)
+    if not isinstance(handler, PackedForm):
         return None
     try:
-        return config.pack(copy.deepcopy(patched))
+        return handler.pack(config, copy.deepcopy(patched))
     except ValueError:  # e.g. DIDB with real weights (weights=False): nothing to pack
         return None

@@ -46,6 +46,7 @@ from vca_patch.core.weights import WeightsMismatchError, load_state_dict_checked
 from vca_patch.families import adapter_by_name
 from vca_patch.surgery import PatchError, get_patch_state, patch_model, patched_layers
 from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.handler import handler_for
 from vca_patch.targets.protocols import PackedForm
 
 FORMAT_VERSION = 1
@@ -74,7 +75,7 @@ def _check_rebuildable(model: nn.Module, meta: dict[str, Any], tensors: dict[str
     packed_mismatch = None
     if meta.get("packed"):
         try:
-            config.load_packed(base, tensors, "save_pretrained")
+            handler_for(config).load_packed(config, base, tensors, "save_pretrained")
         except ValueError as exc:  # the packed tensors do not fit the rebuilt Linears
             packed_mismatch = str(exc)
     ours = {k: tuple(v.shape) for k, v in tensors.items()}
@@ -105,7 +106,7 @@ def checkpoint_metadata(
         "format_version": FORMAT_VERSION,
         "adapter": state.adapter.name,
         "base": base,
-        "config": state.config.as_built(model).to_dict(),
+        "config": handler_for(state.config).as_built(state.config, model).to_dict(),
         "layers": patched_layers(model),
         "params": {"before": state.report.params_before, "after": state.report.params_after},
         "metadata": dict(metadata or {}),
@@ -161,7 +162,7 @@ def save_pretrained(
     check_metadata(meta["metadata"])
     check_loadable(meta, "save_pretrained")  # what from_pretrained would refuse is not written
     packed = _packed_choice(model, packed, form)
-    state_dict = get_patch_state(model).config.packed_state_dict(model) if packed else model.state_dict()
+    state_dict = _packed_state_dict(model) if packed else model.state_dict()
     if packed:
         meta["packed"] = True
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
@@ -181,14 +182,21 @@ def save_pretrained(
     return Path(directory)
 
 
+def _packed_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The patched model's state dict in its target's packed form (`PackedForm.packed_state_dict`)."""
+    config = get_patch_state(model).config
+    return handler_for(config).packed_state_dict(config, model)
+
+
 def _packed_choice(model: nn.Module, packed: bool | None, form: str) -> bool:
     """Whether to save the target's packed form: asked for, or the model is held packed (it has no other)."""
     config = get_patch_state(model).config
-    held = config.is_packed(model)
+    handler = handler_for(config)
+    held = handler.is_packed(config, model)
     packed = held if packed is None else packed
     if held and not packed:
         raise ValueError(f"this {config.target} model is held in packed form and saves packed only (packed=True)")
-    if packed and not isinstance(config, PackedForm):
+    if packed and not isinstance(handler, PackedForm):
         raise ValueError(f"target {config.target!r} has no packed checkpoint form")
     if packed and form != "merged":
         raise ValueError("a packed checkpoint is merged (form='merged')")
@@ -309,10 +317,11 @@ def from_pretrained(
         state = merge_delta(state, base_state_dict, list(model.state_dict()), meta["delta"])
     if meta.get("packed"):  # the target rebuilds its packed modules from the file's tensors
         config = get_patch_state(model).config
-        if not isinstance(config, PackedForm):
+        handler = handler_for(config)
+        if not isinstance(handler, PackedForm):
             raise CheckpointError(f"{path} is packed, but target {meta['config'].get('target')!r} has no packed form")
         try:
-            config.load_packed(model, state, str(path))
+            handler.load_packed(config, model, state, str(path))
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
     try:

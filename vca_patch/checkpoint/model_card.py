@@ -31,6 +31,7 @@ from huggingface_hub import EvalResult, ModelCardData
 from vca_patch.families import ADAPTERS
 from vca_patch.targets import CONFIG_TYPES, DEFAULT_TARGET
 from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.handler import handler_for
 
 TASK = "image-classification"
 ACCURACY_KEYS = ("teacher_top1", "before_top1", "after_top1", "agreement_after")
@@ -229,9 +230,10 @@ def _config_type(target: str) -> type[TargetConfig]:
 
 def _method(config: dict[str, Any]) -> tuple[str, str, str, str]:
     """(attention name, one-paragraph description, conversion-table rows, BibTeX) of the config's target, from its
-    registered config class's hooks (`card_section`, `citation`); generic text for a target without them."""
+    registered config class (its handler's `card_section`, its `citation`); generic text for a target without
+    them."""
     cls = _config_type(str(config.get("target", DEFAULT_TARGET)))
-    name, intro, rows = cls.card_section(config)
+    name, intro, rows = handler_for(cls).card_section(cls, config)
     return name, intro, rows, cls.citation or "% no citation recorded for this target"
 
 

@@ -16,6 +16,7 @@ from vca_patch.core.install import install_hint
 from vca_patch.core.paths import check_output
 from vca_patch.core.sizes import MAX_DEPTH, MAX_IMG_SIZE, activation_bytes, check_bound, check_memory
 from vca_patch.targets.base import CONFIG_TYPES, TargetConfig
+from vca_patch.targets.handler import handler_for
 
 
 def _parse_ints(spec: str, option: str) -> list[int]:
@@ -167,7 +168,7 @@ def _variants(args: BenchArgs, settings: Any) -> tuple[list[Any], dict[str, Any]
     configs = _target_configs(args.target, parse_layers(args.layers))
     model_args = {"depth": args.depth} if args.depth is not None else {}
     cpu_float32 = args.device == "cpu" and args.dtype == "float32" and args.cpu_kernel
-    if cpu_float32 and any(type(c).cpu_kernel() is not None for c in configs):
+    if cpu_float32 and any(handler_for(c).cpu_kernel(type(c)) is not None for c in configs):
         prepare_cpu_kernel()
     with console.status(f"Building {args.model} and its variants..."):
         variants = build_variants(args.model, configs, model_args=model_args, unfused=args.unfused)

@@ -8,6 +8,7 @@ from pathlib import Path
 from vca_patch.cli.bench_timing import BenchTiming
 from vca_patch.cli.common import console, prepare_cpu_kernel, resolve_device
 from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.handler import handler_for
 
 
 def bench_diffusion(
@@ -41,7 +42,7 @@ def bench_diffusion(
         device == "cpu"
         and timing.dtype == "float32"
         and cpu_kernel
-        and any(type(c).cpu_kernel() is not None for c in configs)
+        and any(handler_for(c).cpu_kernel(type(c)) is not None for c in configs)
     ):
         prepare_cpu_kernel()
     with console.status(f"Measuring {model}...") as status:

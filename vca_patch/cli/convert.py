@@ -52,6 +52,7 @@ from vca_patch.core.paths import check_output
 from vca_patch.families import hooks_for, libraries
 from vca_patch.surgery import get_patch_state, patch_model
 from vca_patch.targets.base import CONFIG_TYPES, TargetConfig
+from vca_patch.targets.handler import handler_for
 from vca_patch.targets.protocols import PackedForm
 
 DEFAULT_TARGET = "vca"
@@ -311,7 +312,7 @@ def _check_output(args: ConvertArgs) -> None:
 
 def _convert_only_options(args: ConvertArgs) -> dict[str, tuple[bool, tuple[str, ...]]]:
     """Options of `convert` that are not config fields, {flag: (given, the targets they apply to)}."""
-    packers = tuple(name for name, cls in sorted(CONFIG_TYPES.items()) if issubclass(cls, PackedForm))
+    packers = tuple(name for name, cls in sorted(CONFIG_TYPES.items()) if isinstance(handler_for(cls), PackedForm))
     calibration = {
         "--calibration-data": args.calibration_data is not None,
         "--split": args.split != "train",
@@ -370,7 +371,7 @@ def _patch_measure_save(args: ConvertArgs, net: torch.nn.Module, config: TargetC
     if not family.takes_images and args.calibration_data is not None:
         fail(f"--calibration-data takes images for vision encoders, not {type(net).__name__}", 2)
     probe = family.probe_inputs(net, args.probe_size, args.seed)
-    if type(config).cpu_kernel() is not None and next(net.parameters()).device.type == "cpu":
+    if handler_for(config).cpu_kernel(type(config)) is not None and next(net.parameters()).device.type == "cpu":
         prepare_cpu_kernel()  # a target's fused CPU kernel: compiled on the first run, under its own spinner
     with console.status("Patching and probing..."), torch.no_grad():
         reference = family.predict(net, probe)

@@ -14,6 +14,7 @@ from vca_patch.bench.report import write_json
 from vca_patch.cli.common import DEVICE_HELP, DTYPE_HELP, console, fail, resolve_device, resolve_dtype
 from vca_patch.cli.target_options import split_options, typer_command
 from vca_patch.targets import CONFIG_TYPES
+from vca_patch.targets.handler import handler_for
 
 KINDS = ("fashion_mnist", "imagefolder", "hf")
 CALIBRATION_BATCH = 8  # images per batch read for calibration: the reading bar moves during a long capture
@@ -310,7 +311,8 @@ def calibrate_for_convert(
         with console.status("Measuring fidelity..."), torch.no_grad():
             return measure(None, net, [probe]).summary(), f"{len(probe)} random probe images"
     state = get_patch_state(net)
-    if state is None or not any(state.config.calibrates(m) for m in net.modules()):
+    handler = handler_for(state.config) if state is not None else None
+    if handler is None or not any(handler.calibrates(state.config, m) for m in net.modules()):
         fail("--calibration-data applies to conversions whose target calibrates (VCA)", 2)
     spec = data_spec(kind, str(data), eval_split, None, "--calibration-kind", skip_bad_images=skip_bad_images)
     spec.train_split = split
@@ -322,7 +324,7 @@ def calibrate_for_convert(
     held_out = build_dataset(spec, eval_split, training=False, img_size=size[1], model_cfg=cfg)
     calib = DataLoader(Subset(train, range(min(images, len(train)))), batch_size=CALIBRATION_BATCH)
     probe_set = DataLoader(Subset(held_out, range(min(images, len(held_out)))), batch_size=64)
-    layers = sum(1 for m in net.modules() if state.config.calibrates(m))
+    layers = sum(1 for m in net.modules() if handler.calibrates(state.config, m))
     fitting = LayerProgress(layers)
     reading = Batches(calib, f"Reading {len(calib.dataset)} calibration images", then=fitting.start)  # then the fits
     with torch.no_grad():

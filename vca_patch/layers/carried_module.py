@@ -1,8 +1,8 @@
 """Block edits: a target's replacements for modules of an attention site's block outside the attention itself.
 
-`TargetConfig.block_edits(block, attention_name, layer_index)` returns {path inside the block: new module}
-(default: none). Surgery builds them with the attention replacement, swaps them in with it, reports their added
-parameters on the site, and `unpatch_model` puts the originals back. A replacement that reuses an original's
+A target handler's `block_edits(config, block, attention_name, layer_index)` returns {path inside the block: new
+module} (default: none). Surgery builds them with the attention replacement, swaps them in with it, reports their
+added parameters on the site, and `unpatch_model` puts the originals back. A replacement that reuses an original's
 tensors subclasses `CarriesOriginal` (lists them in `carried_names`), so the original gets the current ones back
 and is moved/cast along with the replacement; any other module is simply swapped back.
 """

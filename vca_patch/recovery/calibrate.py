@@ -2,7 +2,7 @@
 
 The driver is target-agnostic: it captures the original model's per-layer inputs and outputs (`capture.py`),
 computes each layer's teacher (the original attention's input to its output projection), and hands the layer to
-its target's `TargetConfig.calibrate_layer` hook, which fits it in place and calls back `measure(step)` so that
+its target's handler's `calibrate_layer` hook, which fits it in place and calls back `measure(step)` so that
 every step's relative error of the layer's output is recorded. Targets without a closed-form calibration
 (`calibrates(layer)` False: MANO, DIDB, ...) start from their own preserving init and are left alone. VCA's steps
 (neg_noise, temperature, norm, dwc, magnitude, refit) are described in `vca_patch/targets/vca/calibrate.py`.
@@ -41,6 +41,7 @@ from vca_patch.recovery.capture import (
 )
 from vca_patch.surgery import PatchError, get_patch_state, patch_model, unpatch_model
 from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.handler import handler_for
 
 _pre_proj = projection_input  # the name tests and older callers use
 MEASURE_TOKENS = 4096  # per-step errors are measured on the first images holding this many tokens (at least one)
@@ -78,7 +79,7 @@ class CalibrationReport:
 @dataclass(frozen=True)
 class CalibrationOptions:
     """`calibrate`'s keywords: the driver's own (`grow_tokens`, `inputs`) and the target's per-layer ones
-    (`layer`), which the patched target declares and validates (`TargetConfig.calibration_settings`)."""
+    (`layer`), which the patched target declares and validates (its handler's `calibration_settings`)."""
 
     grow_tokens: float | None = None
     inputs: str = "original"
@@ -90,7 +91,7 @@ class CalibrationOptions:
 
     def layer_settings(self, config: TargetConfig) -> Any:
         """The target's validated calibration options for the layers of `config` (None where it declares none)."""
-        return config.calibration_settings(dict(self.layer))
+        return handler_for(config).calibration_settings(type(config), dict(self.layer))
 
 
 def _relative_error(candidate: torch.Tensor, reference: torch.Tensor) -> float:
@@ -225,7 +226,8 @@ def _model_images(model: nn.Module, batches: list) -> list[torch.Tensor]:
 def _calibrated_paths(model: nn.Module) -> list[str]:
     """The paths of the patched layers the target calibrates, in block order."""
     config = get_patch_state(model).config
-    return [path for path, module in patched_modules(model).items() if config.calibrates(module)]
+    handler = handler_for(config)
+    return [path for path, module in patched_modules(model).items() if handler.calibrates(config, module)]
 
 
 def _calibrate_layers(
@@ -289,7 +291,7 @@ def _calibrate_layer(
         if step not in steps:
             steps.append(step)
 
-    facts = state.config.calibrate_layer(module, cap, teacher, measure, settings)
+    facts = handler_for(state.config).calibrate_layer(state.config, module, cap, teacher, measure, settings)
     if measured is not cap and last:  # the final state, on every image
         errors[last[0]] = _layer_error(module, cap)
     return LayerCalibration(path, module.layer_index, facts["contrast_tokens"], errors, facts.get("temperature"))
@@ -305,8 +307,9 @@ def _grow_tokens(
     """Rebuild the layers whose final error exceeds `grow_tokens` with the target's next token count and
     calibrate them again (teacher-forced, on the same captures); updates `report` in place."""
     config, layers, last = get_patch_state(model).config, report.layers, report.steps[-1]
+    handler = handler_for(config)
     grow = {
-        r.layer_index: config.grown_tokens(r.contrast_tokens, captures[r.path].layout.num_patches)
+        r.layer_index: handler.grown_tokens(config, r.contrast_tokens, captures[r.path].layout.num_patches)
         for r in layers
         if r.errors[last] > options.grow_tokens
     }
@@ -324,7 +327,8 @@ def _grow_tokens(
 def _repatch_with_tokens(model: nn.Module, grow: dict[int, int]) -> list[str]:
     """Re-patch `model` with more tokens in the blocks of `grow` (the target's `with_more_tokens`); keep every
     other layer's state. Returns the paths of the rebuilt layers."""
-    config = get_patch_state(model).config.with_more_tokens(grow)  # ConfigError where the target cannot grow
+    config = get_patch_state(model).config
+    config = handler_for(config).with_more_tokens(config, grow)  # ConfigError where the target cannot grow
     kept = {path: module.state_dict() for path, module in patched_modules(model).items()}
     unpatch_model(model)
     patch_model(model, config)

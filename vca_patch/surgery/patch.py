@@ -18,6 +18,7 @@ from vca_patch.layers.layout import close_scope
 from vca_patch.surgery.report import PatchedSite, PatchReport
 from vca_patch.targets import default_config
 from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.handler import handler_for
 
 
 @dataclass
@@ -98,10 +99,10 @@ def _uninstall(adapter: ModelAdapter, model: nn.Module, path: str, saved: Any) -
 
 
 def _block_edits(model: nn.Module, config: TargetConfig, site: AttentionSite) -> dict[str, nn.Module]:
-    """config.block_edits for the site's block (the module holding it), as {model path: new module}."""
+    """The handler's block_edits for the site's block (the module holding it), as {model path: new module}."""
     block_path, _, name = site.path.rpartition(".")
     block = model.get_submodule(block_path) if block_path else model
-    edits = config.block_edits(block, name, site.layer_index)
+    edits = handler_for(config).block_edits(config, block, name, site.layer_index)
     for rel in edits:
         if not rel or rel == name or rel.startswith(name + "."):
             raise PatchError(f"{type(config).__name__}.block_edits may not replace the attention itself ({rel!r})")
@@ -110,14 +111,15 @@ def _block_edits(model: nn.Module, config: TargetConfig, site: AttentionSite) ->
 
 
 def _block_forwards(model: nn.Module, config: TargetConfig, sites: list[AttentionSite]) -> dict[str, Any]:
-    """config.block_forwards for the sites' blocks, as {block path: forward}."""
+    """The handler's block_forwards for the sites' blocks, as {block path: forward}."""
     paths: dict[int, str] = {}
     blocks: dict[int, tuple[nn.Module, str]] = {}
     for site in sites:
         block_path, _, name = site.path.rpartition(".")
         paths[site.layer_index] = block_path
         blocks[site.layer_index] = (model.get_submodule(block_path) if block_path else model, name)
-    return {paths[index]: forward for index, forward in config.block_forwards(blocks).items()}
+    forwards = handler_for(config).block_forwards(config, blocks)
+    return {paths[index]: forward for index, forward in forwards.items()}
 
 
 def _checked_config(config: Any) -> TargetConfig:
@@ -180,6 +182,7 @@ def _plan(model: nn.Module, config: TargetConfig, strict: bool):
         )
     chosen, unselected = _select(sites, config)
     params_before = _count_params(model)
+    handler = handler_for(config)
     replacements: dict[str, nn.Module] = {}
     block_edits: dict[str, dict[str, nn.Module]] = {}  # site path -> {module path: new module}
     built = []
@@ -187,7 +190,7 @@ def _plan(model: nn.Module, config: TargetConfig, strict: bool):
         torch.manual_seed(config.seed)
         for site in chosen:
             try:
-                replacements[site.path] = config.build_layer(adapter.carry(site), site.layer_index)
+                replacements[site.path] = handler.build_layer(config, adapter.carry(site), site.layer_index)
                 adapter.adapt_call(replacements[site.path], site)
                 block_edits[site.path] = _block_edits(model, config, site)
                 built.append(site)
@@ -227,7 +230,7 @@ def _report(adapter, model, config, chosen, skipped, replacements, block_edits, 
             layer_index=site.layer_index,
             dim=site.dim,
             num_heads=site.num_heads,
-            settings=config.layer_settings(replacements[site.path]),
+            settings=handler_for(config).layer_settings(config, replacements[site.path]),
             params_added=_count_params(replacements[site.path]) - _count_params(site.module) + edits_added(site),
             notes=site.notes,
             verified=site.verified,
@@ -300,10 +303,10 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         raise PatchError("model is not patched by vca_patch")
     for path, original in state.originals.items():
         _uninstall(state.adapter, model, path, original)
-    for path, original in state.block_originals.items():  # block edits (TargetConfig.block_edits)
+    for path, original in state.block_originals.items():  # block edits (the handler's block_edits)
         restore_block_edit(model.get_submodule(path), original)
         _swap(model, path, original)
-    for path in state.block_forwards:  # block forwards (TargetConfig.block_forwards)
+    for path in state.block_forwards:  # block forwards (the handler's block_forwards)
         (model.get_submodule(path) if path else model).__dict__.pop("forward", None)
     state.adapter.remove_layout_tracker(model)
     del model.__dict__[STATE_ATTR]

@@ -1,8 +1,9 @@
-"""Conversion targets, one package each; importing this package registers the built-in ones (the installed
-plug-ins' targets are found through their entry points on the registry's first read)."""
+"""Conversion targets, one package each; importing this package registers the built-in ones, each config class with
+its handler (the installed plug-ins' targets are found through their entry points on the registry's first read)."""
 
 from vca_patch.targets.base import CONFIG_TYPES, TargetConfig, register_target, unregister_target
 from vca_patch.targets.didb.config import DIDBConfig
+from vca_patch.targets.handler import TargetHandler, handler_for, register_handler, unregister_handler
 from vca_patch.targets.mano.config import MANOConfig
 from vca_patch.targets.merge.config import MergeConfig
 from vca_patch.targets.vca.config import VCAConfig
@@ -22,8 +23,12 @@ __all__ = [
     "MANOConfig",
     "MergeConfig",
     "TargetConfig",
+    "TargetHandler",
     "VCAConfig",
     "default_config",
+    "handler_for",
+    "register_handler",
     "register_target",
+    "unregister_handler",
     "unregister_target",
 ]

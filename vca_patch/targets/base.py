@@ -1,7 +1,8 @@
-"""The target interface: `TargetConfig` (plain data + the hooks surgery calls) and the target registry.
+"""The target interface: `TargetConfig` (a target's settings, plain data) and the target registry.
 
 A target registers its config class with `register_target` (or, installed as a plug-in, through an entry point of
-the group `vca_patch.targets`, found on the registry's first read); nothing here imports a target."""
+the group `vca_patch.targets`, found on the registry's first read), and its behaviour, a handler, with
+`vca_patch.targets.handler.register_handler`; nothing here imports a target."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from vca_patch.core.errors import ConfigError
 from vca_patch.core.registry import Registry, RegistryError
-from vca_patch.layers.carried import CarriedAttention
+from vca_patch.targets.forwarders import DeprecatedHookForwarders
 
 TARGET_GROUP = "vca_patch.targets"  # entry-point group: NAME = "module:ConfigClass", NAME the class's `target`
 
@@ -83,16 +84,13 @@ def unregister_target(name: str) -> type[TargetConfig]:
     return CONFIG_TYPES.unregister(name)
 
 
-_SELECTION_FIELDS = {"target", "layers", "include", "exclude", "seed"}  # TargetConfig's own fields (and the key)
-
-
 @dataclass(frozen=True)
 class RecipeOptions:
     """The keys a target adds to recovery recipes (`TargetConfig.recipe_options`), so that the recipe schema
     (train/recipe.py) stays generic: `train`, a frozen dataclass of keys of a recipe's `train` section; `stage`, one
     of keys of each stage (None: none). Their fields are typed, with defaults and metadata help; a stage field
     with metadata {"group": name} is the learning rate of the target's parameter group `name`
-    (`TargetConfig.parameter_groups`). Constructing either validates its values: a ConfigError whose message
+    (the handler's `parameter_groups`). Constructing either validates its values: a ConfigError whose message
     starts with the key (the schema puts where the key is in front)."""
 
     train: type | None = None
@@ -121,10 +119,14 @@ def target_display_name(target: str) -> str:
 
 
 @dataclass
-class TargetConfig:
-    """Base of every target attention's config: layer selection, seed, JSON round trip.
+class TargetConfig(DeprecatedHookForwarders):
+    """Base of every target attention's config: plain data (layer selection, seed, JSON round trip) and the
+    declarative class attributes shared code reads.
 
-    Subclasses set `target`, add their fields, and implement `build_layer` / `layer_settings`.
+    Subclasses set `target`, add their fields (and `validate` them); the target's behaviour (`build_layer`,
+    `layer_settings`, ...) lives in its handler, a `vca_patch.targets.handler.TargetHandler` subclass registered for
+    the config class with `register_handler`. The hooks a config once took (`config.calibrates(layer)`) still answer,
+    through its handler, with a DeprecationWarning (`forwarders.DeprecatedHookForwarders`).
     """
 
     target: ClassVar[str] = ""
@@ -135,6 +137,12 @@ class TargetConfig:
     # The config's schema version, saved with it (`to_dict`): raise it when a change to the fields would make an
     # older reader misread a new checkpoint, and give `upgrade` the step from the old schema.
     version: ClassVar[int] = 1
+    # The target's per-layer calibration options: a frozen dataclass whose fields (typed, with their defaults and
+    # metadata help, written once) are `vca_patch.calibrate`'s keywords for this target and whose construction
+    # validates them (ConfigError; the handler's `calibration_settings`). None: the target takes no calibration
+    # options (VCA: `VCACalibration`).
+    calibration_options: ClassVar[type | None] = None
+    recipe_options: ClassVar[RecipeOptions] = RecipeOptions()  # the keys the target adds to recipes (default: none)
 
     layers: list[int] | None = field(default=None, kw_only=True)
     include: str | None = field(default=None, kw_only=True)  # regex: patch only matching module paths
@@ -178,61 +186,6 @@ class TargetConfig:
         field), a default it cannot take is fitted. Default: the config as it is, no notes."""
         return self, []
 
-    def build_layer(self, carried: CarriedAttention, layer_index: int) -> nn.Module:
-        """The replacement for one attention module, reusing `carried` and initialised."""
-        raise NotImplementedError
-
-    def layer_settings(self, layer: nn.Module) -> dict[str, Any]:
-        """JSON-safe per-layer facts recorded in reports and checkpoints."""
-        return {}
-
-    def as_built(self, model: nn.Module) -> TargetConfig:
-        """This config with its automatic choices replaced by what `model`'s patched layers got, as saved in a
-        checkpoint: reloading then rebuilds the same layers whatever a later version's automatic rule picks.
-        Default: the config itself (no automatic choices)."""
-        return self
-
-    def block_edits(self, block: nn.Module, attention_name: str, layer_index: int) -> dict[str, nn.Module]:
-        """Replacements for other modules of the site's block (the module holding the attention, under
-        `attention_name`): {path inside `block`: new module}, built without changing `block`. Surgery swaps them
-        in with the attention and `unpatch_model` restores the originals (see attention/carried_module.py).
-        Default: none."""
-        return {}
-
-    def block_forwards(self, blocks: dict[int, tuple[nn.Module, str]]) -> dict[int, Any]:
-        """Replacement forwards for whole blocks, {block index: callable}, given every patched site's
-        {block index: (block, attention name)}: surgery sets each as its block's `forward` (an instance attribute,
-        no module or state-dict key changes) and `unpatch_model` removes it. Default: none (token merging uses it)."""
-        return {}
-
-    def check_stage_state(self, state: dict[str, Any]) -> None:
-        """Refuse a recipe stage's `target_state` this target cannot apply (default: any non-empty one)."""
-        if state:
-            raise ConfigError(
-                f"target {self.target!r} ({type(self).__name__}) has no per-stage state to switch; a recipe stage's "
-                f"target_state must be empty for it, got keys {sorted(state)}"
-            )
-
-    def apply_stage_state(self, model: nn.Module, state: dict[str, Any]) -> None:
-        """Put `model` (patched with this config) into `state` at a recipe stage's start (the recipe engine calls
-        this with the stage's `target_state`, merged over the earlier stages'). Default: only an empty state."""
-        self.check_stage_state(state)
-
-    @classmethod
-    def card_section(cls, config: dict[str, Any]) -> tuple[str, str, str]:
-        """(attention name, one-paragraph description, conversion-table rows) of a checkpoint's model card, from
-        its config.json `config` block. Default: the config class's summary line and every non-selection setting."""
-        summary = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".") if cls.target and cls.__doc__ else ""
-        name = target_display_name(str(config.get("target", cls.target)))
-        intro = f"vca-patch's {name} target" + (f" ({summary})." if summary else ".")
-        rows = "\n".join(f"| {key} | {value} |" for key, value in config.items() if key not in _SELECTION_FIELDS)
-        return name, intro, rows
-
-    def is_packed(self, model: nn.Module) -> bool:
-        """Checkpoint-format hook: whether `model` (patched with this config) is held in the target's packed form,
-        which then is the only form it saves (`save_pretrained(..., packed=True)`). Default: no packed form."""
-        return False
-
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, "version": self.version, **dataclasses.asdict(self)}
 
@@ -266,83 +219,6 @@ class TargetConfig:
     @classmethod
     def from_json(cls, text: str) -> TargetConfig:
         return cls.from_dict(json.loads(text))
-
-    # ---- Calibration and compute-kernel hooks recovery/calibrate.py's driver and bench/ call these ----
-    # The target's per-layer calibration options: a frozen dataclass whose fields (typed, with their defaults and
-    # metadata help, written once) are `vca_patch.calibrate`'s keywords for this target and whose construction
-    # validates them (ConfigError). None: the target takes no calibration options (VCA: `VCACalibration`).
-    calibration_options: ClassVar[type | None] = None
-
-    @classmethod
-    def calibration_settings(cls, options: dict[str, Any]) -> Any:
-        """`options` (keywords given to `vca_patch.calibrate`) as the target's validated calibration options: an
-        instance of `calibration_options` with the others at their defaults. Checked before any work, so a bad key
-        or value is one ConfigError naming it; None for a target that declares none (and was given none)."""
-        options_cls = cls.calibration_options
-        name = target_display_name(cls.target)
-        if options_cls is None:
-            if options:
-                raise ConfigError(f"{name} layers take no calibration options; drop {sorted(options)}")
-            return None
-        known = sorted(f.name for f in dataclasses.fields(options_cls))
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise ConfigError(f"unknown {name} calibration options {unknown}; valid: {known}")
-        return options_cls(**options)
-
-    def calibrates(self, layer: nn.Module) -> bool:
-        """Whether `layer` (one of the layers this config patched in) has a closed-form calibration,
-        `calibrate_layer`. Default: no; `vca_patch.calibrate` leaves the target's layers at their own init."""
-        return False
-
-    def calibrate_layer(self, layer: nn.Module, capture: Any, teacher: Any, measure: Any, options: Any) -> dict:
-        """Fit `layer` in place, teacher-forced: `capture` holds its `inputs`, the original's `outputs` and the
-        `layout`; `teacher` is the original attention's input to the output projection on `capture.inputs`;
-        `measure(step)` records the layer's error after each step; `options` is `calibration_settings`' result.
-        Returns the report's facts for the layer: {"contrast_tokens": int, "temperature": list | None}."""
-        raise ConfigError(f"target {self.target!r} ({type(self).__name__}) has no closed-form calibration")
-
-    def grown_tokens(self, tokens: int, num_patches: int) -> int:
-        """The next token count for a calibrated layer with `tokens` whose error stays above `grow_tokens`, on a
-        grid of `num_patches` (the same count: it cannot grow). Default: no growth."""
-        return tokens
-
-    def with_more_tokens(self, grow: dict[int, int]) -> TargetConfig:
-        """This config with the token counts of `grow` ({block index: count}) to re-patch those blocks with."""
-        raise ConfigError(f"target {self.target!r} ({type(self).__name__}) cannot grow tokens")
-
-    @classmethod
-    def cpu_kernel(cls) -> Any:
-        """The target's compute kernel for reports and A/B runs, or None (default): an object with `available()`
-        (builds it on first use, never raises), `status()` (one report line, no build), `use(enabled)` (context
-        manager forcing it off inside the block when False)."""
-        return None
-
-    # ---- end of calibration and compute-kernel hooks ----
-
-    # ---- Recovery-training hooks train/params.py and the recipe engine call these ----
-    recipe_options: ClassVar[RecipeOptions] = RecipeOptions()  # the keys the target adds to recipes (default: none)
-
-    def parameter_groups(self, model: nn.Module) -> dict[str, list[nn.Parameter]]:
-        """The target's parameters of `model` (patched with this config) that the recipe engine trains in a group of
-        their own, by group name; each group's learning rate is the stage key that `recipe_options.stage` declares
-        for it (VCA: "lambda", `lambda_lr`). Default: none (all the target's new parameters train at the stage's
-        `lr`)."""
-        return {}
-
-    def guard_parameters(self, model: nn.Module, options: Any) -> int:
-        """Project constrained parameters of `model` back into range after an optimizer step, as the recipe's train
-        options for this target say (`options`: an instance of `recipe_options.train`, None where the target
-        declares none; VCA: `lambda_guard: clamp` with bound `lambda_max`); returns how many moved. Default: nothing
-        to guard."""
-        return 0
-
-    def parameter_trace(self, model: nn.Module) -> dict[str, Any]:
-        """Health values of the target's parameters, recorded in each evaluation of metrics.json (VCA:
-        {"lambda": [[λ₁, λ₂] per layer]}). Default: none."""
-        return {}
-
-    # ---- end of recovery-training hooks ----
 
 
 def is_int(value: Any) -> bool:

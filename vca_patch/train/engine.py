@@ -29,6 +29,7 @@ from vca_patch.core.atomic import atomic_write_text
 from vca_patch.core.errors import ConfigError
 from vca_patch.recovery.calibrate import calibrate
 from vca_patch.surgery import get_patch_state
+from vca_patch.targets.handler import handler_for
 from vca_patch.train.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, trainer_state
 from vca_patch.train.objective import RecoveryObjective
 from vca_patch.train.optim import StageScheduler, stage_optimizer
@@ -245,7 +246,7 @@ def _check_target_states(student: nn.Module, recipe: Recipe) -> None:
         return
     for stage in recipe.stages:
         try:
-            patch.config.check_stage_state(stage.target_state)
+            handler_for(patch.config).check_stage_state(patch.config, stage.target_state)
         except ConfigError as exc:
             raise RecipeError(f"stage {stage.name!r}: {exc}") from None
 
@@ -266,7 +267,7 @@ def _apply_target_state(models: list[nn.Module], state: dict[str, Any]) -> None:
         patch = get_patch_state(model)
         if patch is None:
             raise RecipeError(f"target_state {state}: {type(model).__name__} is not a patched model")
-        patch.config.apply_stage_state(model, state)
+        handler_for(patch.config).apply_stage_state(patch.config, model, state)
 
 
 def _new_ema(student: nn.Module, decay: float) -> nn.Module:

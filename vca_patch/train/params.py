@@ -1,6 +1,6 @@
-"""Parameter groups of a patched model, and its target's parameter guard and trace (the target's hooks:
-`TargetConfig.parameter_groups` / `guard_parameters` / `parameter_trace`; the groups a target may fill are those its
-recipe keys declare, `target_keys.parameter_group_names`)."""
+"""Parameter groups of a patched model, and its target's parameter guard and trace (the target handler's hooks
+`parameter_groups` / `guard_parameters` / `parameter_trace`; the groups a target may fill are those its recipe keys
+declare, `target_keys.parameter_group_names`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 
 from vca_patch.layers.carried_module import CarriesOriginal
 from vca_patch.surgery import get_patch_state
+from vca_patch.targets.handler import handler_for
 from vca_patch.train import target_keys
 from vca_patch.train.recipe import TrainSpec
 
@@ -70,7 +71,7 @@ def _target_groups(model: nn.Module, state: Any) -> dict[int, str]:
         return {}
     found: dict[int, str] = {}
     declared = ["new", *target_keys.parameter_group_names()]
-    for group, params in state.config.parameter_groups(model).items():
+    for group, params in handler_for(state.config).parameter_groups(state.config, model).items():
         if group not in declared:
             raise ValueError(
                 f"target {state.config.target!r}: parameter group {group!r} is not one of {declared}; a target "
@@ -86,15 +87,16 @@ def _target_config(model: nn.Module) -> Any:
 
 
 def guard_parameters(model: nn.Module, train: TrainSpec) -> int:
-    """The patched model's target guard (`TargetConfig.guard_parameters`) with the target's keys of the recipe's
+    """The patched model's target guard (its handler's `guard_parameters`) with the target's keys of the recipe's
     `train` section (VCA: λ into [0, lambda_max] under `lambda_guard: clamp`); how many moved."""
     config = _target_config(model)
     if config is None:
         return 0
-    return config.guard_parameters(model, target_keys.target_options(config, "train", train.options))
+    options = target_keys.target_options(config, "train", train.options)
+    return handler_for(config).guard_parameters(config, model, options)
 
 
 def parameter_trace(model: nn.Module) -> dict[str, Any]:
-    """The target's parameter health values for an evaluation record (`TargetConfig.parameter_trace`)."""
+    """The target's parameter health values for an evaluation record (its handler's `parameter_trace`)."""
     config = _target_config(model)
-    return config.parameter_trace(model) if config is not None else {}
+    return handler_for(config).parameter_trace(config, model) if config is not None else {}

@@ -10,6 +10,7 @@ from vca_patch import NothingToPatchError, PatchError, VCAConfig, VisualContrast
 from vca_patch.core.errors import ConfigError
 from vca_patch.families.timm.vit import TimmViTAdapter
 from vca_patch.layers.layout import TokenLayout
+from vca_patch.targets.vca import VCAHandler
 
 
 def _layouts_seen(model):
@@ -103,15 +104,15 @@ def test_a_refused_build_leaves_the_model_untouched(monkeypatch):
     with torch.no_grad():
         expected = model(x)
     calls = []
-    real_build = VCAConfig.build_layer
+    real_build = VCAHandler.build_layer
 
-    def failing(self, carried, layer_index):
+    def failing(self, config, carried, layer_index):
         calls.append(layer_index)
         if layer_index == 1:
             raise ConfigError("boom")
-        return real_build(self, carried, layer_index)
+        return real_build(self, config, carried, layer_index)
 
-    monkeypatch.setattr(VCAConfig, "build_layer", failing)
+    monkeypatch.setattr(VCAHandler, "build_layer", failing)
     with pytest.raises(ConfigError, match="boom"):
         patch_model(model)
     assert calls == [0, 1]
@@ -123,14 +124,14 @@ def test_a_refused_build_leaves_the_model_untouched(monkeypatch):
 
 def test_a_module_that_cannot_be_built_is_skipped_with_its_reason(monkeypatch):
     model, _ = tiny()
-    real_build = VCAConfig.build_layer
+    real_build = VCAHandler.build_layer
 
-    def failing(self, carried, layer_index):
+    def failing(self, config, carried, layer_index):
         if layer_index == 1:
             raise RuntimeError("boom inside a library")
-        return real_build(self, carried, layer_index)
+        return real_build(self, config, carried, layer_index)
 
-    monkeypatch.setattr(VCAConfig, "build_layer", failing)
+    monkeypatch.setattr(VCAHandler, "build_layer", failing)
     report = patch_model(model)
     assert [s.layer_index for s in report.patched] == [0]
     (skipped,) = [s for s in report.skipped if s.path == "blocks.1.attn"]

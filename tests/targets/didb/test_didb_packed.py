@@ -276,12 +276,15 @@ def test_bench_comparison_reports_the_three_forms():
 
 
 def test_the_packed_form_is_a_protocol_shared_code_checks(tmp_path):
-    """`save_pretrained(..., packed=True)` asks `isinstance(config, PackedForm)`: DIDB implements it, VCA does not
-    and is refused in one line; a plug-in that gives only part of the protocol is not a packer either."""
+    """`save_pretrained(..., packed=True)` asks `isinstance(handler_for(config), PackedForm)`: DIDB's handler
+    implements it, VCA's does not and is refused in one line; a handler that gives only part of the protocol is not
+    a packer either."""
+    from vca_patch.targets.handler import TargetHandler, handler_for
     from vca_patch.targets.protocols import PackedForm
 
-    assert isinstance(DIDBConfig(), PackedForm) and not isinstance(vca_patch.VCAConfig(), PackedForm)
-    half = type("Half", (), {"packed_state_dict": lambda self, model: {}})()
+    assert isinstance(handler_for(DIDBConfig), PackedForm)
+    assert not isinstance(handler_for(vca_patch.VCAConfig), PackedForm)
+    half = type("Half", (TargetHandler,), {"packed_state_dict": lambda self, config, model: {}})()
     assert not isinstance(half, PackedForm)
     model, args = tiny()
     vca_patch.patch_model(model, vca_patch.VCAConfig(contrast_tokens=4))

@@ -15,6 +15,7 @@ from tests.support.paths import RECIPES
 from tests.support.recovery import needs_fashion_mnist, tiny_vit
 from vca_patch import ConfigError, DIDBConfig, VCAConfig
 from vca_patch.targets.didb import BinaryLinear, DIDBAttention
+from vca_patch.targets.handler import handler_for
 from vca_patch.train import RecipeError, load_recipe, recipe_from_dict, run_recipe, teacher_from
 from vca_patch.train.engine import stage_target_state
 from vca_patch.train.params import parameter_groups
@@ -110,8 +111,8 @@ def test_target_without_stage_state_refuses_it_before_any_work(tmp_path):
     model = tiny_vit().eval()
     vca_patch.patch_model(model, VCAConfig(contrast_tokens=4))
     with pytest.raises(ConfigError, match=r"target 'vca' \(VCAConfig\) has no per-stage state"):
-        VCAConfig().apply_stage_state(model, {"weights": True})
-    VCAConfig().apply_stage_state(model, {})  # empty: fine
+        handler_for(VCAConfig).apply_stage_state(VCAConfig(), model, {"weights": True})
+    handler_for(VCAConfig).apply_stage_state(VCAConfig(), model, {})  # empty: fine
     with pytest.raises(RecipeError, match=r"stage 'acts': target 'vca' \(VCAConfig\) has no per-stage state"):
         run_recipe(model, teacher_from(model), recipe_from_dict(SWITCH), tmp_path / "run", train_set=_data())
     assert not (tmp_path / "run").exists()
@@ -135,9 +136,10 @@ def test_didb_refuses_unknown_or_non_boolean_state_before_any_work(tmp_path, sta
 def test_apply_stage_state_switches_the_modules_and_the_saved_config():
     model = _student()
     config = model.vca_patch_state.config
-    config.apply_stage_state(model, {"activations": True})
+    handler = handler_for(config)
+    handler.apply_stage_state(config, model, {"activations": True})
     assert _flags(model) == {(False, True)} and (config.weights, config.activations) == (False, True)
-    config.apply_stage_state(model, {"weights": True, "activations": False})
+    handler.apply_stage_state(config, model, {"weights": True, "activations": False})
     assert _flags(model) == {(True, False)} and (config.weights, config.activations) == (True, False)
 
 

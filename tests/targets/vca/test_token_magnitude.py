@@ -22,6 +22,7 @@ from vca_patch.layers.layout import TokenLayout
 from vca_patch.recovery import calibrate
 from vca_patch.recovery.calibrate import _converted_inputs
 from vca_patch.recovery.capture import capture_original_layers, patched_modules
+from vca_patch.targets.handler import handler_for
 from vca_patch.targets.vca import fused_cpu
 from vca_patch.targets.vca.config import VCAConfig
 from vca_patch.targets.vca.layer import VisualContrastAttention
@@ -200,7 +201,7 @@ def test_hierarchical_stages_save_the_gain_as_off():
         num_classes=0,
     ).eval()
     vca_patch.patch_model(model, VCAConfig(stage_contrast_tokens=[4, 1]))
-    assert VCAConfig().as_built(model).token_magnitude is False
+    assert handler_for(VCAConfig).as_built(VCAConfig(), model).token_magnitude is False
 
 
 def test_a_merge_plan_saves_its_vca_blocks_gain_as_built(tmp_path):

@@ -18,6 +18,7 @@ from torch import nn
 
 from vca_patch.surgery import get_patch_state, patch_model, patched_layers
 from vca_patch.targets.base import TargetConfig
+from vca_patch.targets.handler import handler_for
 from vca_patch.targets.llava_sp.model import SpatialTokensError
 
 
@@ -34,7 +35,7 @@ def vision_patch_records(model: nn.Module) -> list[dict[str, Any]]:
             records.append(
                 {
                     "path": path,
-                    "config": state.config.as_built(module).to_dict(),
+                    "config": handler_for(state.config).as_built(state.config, module).to_dict(),
                     "layers": _json(patched_layers(module)),
                 }
             )

@@ -5,6 +5,7 @@ from vca_patch.targets.didb.attention import DIDBAttention, binarize_attention, 
 from vca_patch.targets.didb.binary import BinaryLinear, binarize_activation, binarize_weight, binary_linear
 from vca_patch.targets.didb.config import DIDBConfig
 from vca_patch.targets.didb.haar import haar_split, haar_subbands
+from vca_patch.targets.didb.handler import DIDBHandler  # registers DIDB's handler with its config
 from vca_patch.targets.didb.model import set_binarization
 from vca_patch.targets.didb.packed import PackedBinaryLinear, is_packed, pack_binary, unpack_binary
 from vca_patch.targets.didb.rprelu import ImprovedRPReLU
@@ -13,6 +14,7 @@ __all__ = [
     "BinaryLinear",
     "DIDBAttention",
     "DIDBConfig",
+    "DIDBHandler",
     "ImprovedRPReLU",
     "PackedBinaryLinear",
     "binarize_activation",

@@ -5,17 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from torch import nn
-
 from vca_patch.core.errors import ConfigError
-from vca_patch.layers.carried import CarriedAttention
 from vca_patch.targets.base import TargetConfig, register_target
-from vca_patch.targets.didb.attention import DIDBAttention
-from vca_patch.targets.didb.binary import BinaryLinear
-from vca_patch.targets.didb.block import find_mlp
-from vca_patch.targets.didb.model import set_binarization
-from vca_patch.targets.didb.packed import is_packed, load_packed, pack_binary, packed_state_dict
-from vca_patch.targets.didb.rprelu import ImprovedRPReLU
 
 LINEARS = ("qkv", "proj", "fc1", "fc2")
 STAGE_KEYS = ("weights", "activations")  # what a recipe stage's target_state may switch (set_binarization)
@@ -87,91 +78,3 @@ class DIDBConfig(TargetConfig):
         if not isinstance(band, (list, tuple)) or len(band) != 2 or not all(_number(b) for b in band):
             raise ConfigError(f"band_init must be two numbers (low, high), got {band!r}")
         self.band_init = [float(b) for b in band]
-
-    def build_layer(self, carried: CarriedAttention, layer_index: int) -> DIDBAttention:
-        return DIDBAttention.from_carried(
-            carried,
-            binary=tuple(name for name in ("qkv", "proj") if name in self.binarize),
-            binarize_weights=self.weights,
-            binarize_activations=self.activations,
-            binarize_attention=self.binary_attention,
-            hfsc=self.hfsc,
-            local=self.local,
-            normalize=self.normalize,
-            act_clip_init=self.act_clip_init,
-            band_init=tuple(self.band_init),
-            threshold_init=self.threshold_init,
-            local_init=self.local_init,
-        )
-
-    def block_edits(self, block: nn.Module, attention_name: str, layer_index: int) -> dict[str, nn.Module]:
-        """BinaryLinear for the binarised fc1/fc2, ImprovedRPReLU for the MLP activation."""
-        wanted = [name for name in ("fc1", "fc2") if name in self.binarize]
-        if not wanted and not self.rprelu:
-            return {}
-        mlp = find_mlp(block, attention_name)
-        edits: dict[str, nn.Module] = {}
-        for role in wanted:
-            path = getattr(mlp, role)
-            edits[path] = BinaryLinear.from_linear(
-                block.get_submodule(path),
-                binarize_weights=self.weights,
-                binarize_activations=self.activations,
-                act_clip_init=self.act_clip_init,
-            )
-        if self.rprelu:
-            if mlp.act is None:
-                raise ValueError(
-                    f"the MLP activation of {type(block).__name__} is not a module (or not one module): set "
-                    "DIDBConfig(rprelu=False)"
-                )
-            fc1 = block.get_submodule(mlp.fc1)
-            dd = {"device": fc1.weight.device, "dtype": fc1.weight.dtype}
-            edits[mlp.act] = ImprovedRPReLU(fc1.out_features, slope_init=self.rprelu_slope_init, **dd)
-        return edits
-
-    def check_stage_state(self, state: dict[str, Any]) -> None:
-        """A stage's target_state may set `weights` and/or `activations` (true/false)."""
-        unknown = sorted(set(state) - set(STAGE_KEYS))
-        if unknown:
-            raise ConfigError(
-                f"target 'didb': unknown target_state key {unknown[0]!r}; valid keys: {list(STAGE_KEYS)} "
-                "(binarise the Linears' weights / activations)"
-            )
-        for key, value in state.items():
-            if not isinstance(value, bool):
-                raise ConfigError(f"target 'didb': target_state.{key} must be true or false, got {value!r}")
-
-    def apply_stage_state(self, model: nn.Module, state: dict[str, Any]) -> None:
-        """Switch weight / activation binarisation (`set_binarization`) of `model` for a recipe stage."""
-        self.check_stage_state(state)
-        if state:
-            set_binarization(model, **state)
-
-    # The packed checkpoint form (io/checkpoint.py `save_pretrained(..., packed=True)`): didb/packed.py.
-
-    def pack(self, model: nn.Module) -> nn.Module:
-        """Hold `model`'s binarised Linears packed, in place (`vca_patch.targets.didb.pack_binary`); PatchError without
-        binarised weights."""
-        return pack_binary(model)
-
-    def is_packed(self, model: nn.Module) -> bool:
-        """Whether `model` holds its binarised Linears as packed bits (it then saves packed only)."""
-        return is_packed(model)
-
-    def packed_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """`model`'s state dict with the binarised Linears as sign bits + scales (the model is not changed)."""
-        return packed_state_dict(model)
-
-    def load_packed(self, model: nn.Module, state_dict: dict[str, Any], source: str) -> None:
-        """Put a freshly built model into the packed form of `state_dict` (ValueError when it does not fit)."""
-        load_packed(model, state_dict, source)
-
-    def layer_settings(self, layer: DIDBAttention) -> dict[str, Any]:
-        return {
-            "binarize": list(self.binarize),
-            "binary_attention": layer.binarize_attention,
-            "hfsc": layer.hfsc,
-            "local": layer.local,
-            "rprelu": self.rprelu,
-        }

@@ -2,6 +2,7 @@
 
 from vca_patch.targets.mano import macs  # noqa: F401  (registers the analytic MAC count)
 from vca_patch.targets.mano.config import MANOConfig
+from vca_patch.targets.mano.handler import MANOHandler  # registers MANO's handler with its config
 from vca_patch.targets.mano.layer import MultipoleAttention
 
-__all__ = ["MANOConfig", "MultipoleAttention"]
+__all__ = ["MANOConfig", "MANOHandler", "MultipoleAttention"]

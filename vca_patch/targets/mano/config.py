@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from vca_patch.core.errors import ConfigError
-from vca_patch.layers.carried import CarriedAttention
-from vca_patch.layers.staged_carry import CarriedWindowAttention
 from vca_patch.targets.base import TargetConfig, is_int, register_target
 from vca_patch.targets.mano import card
-from vca_patch.targets.mano.layer import MultipoleAttention
-from vca_patch.targets.mano.windowed import build_window_mano
 
 
 @register_target
@@ -73,26 +69,3 @@ class MANOConfig(TargetConfig):
                 raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {getattr(self, name)!r}")
         if not isinstance(self.pad, bool):
             raise ConfigError(f"pad must be true or false, got {self.pad!r}")
-
-    def build_layer(self, carried: CarriedAttention, layer_index: int) -> MultipoleAttention:
-        options = {"rate": self.rate, "levels": self.levels, "down": self.down, "up": self.up, "prefix": self.prefix}
-        if isinstance(carried, CarriedWindowAttention):  # Swin: level 0 is the block's window attention (its window)
-            mano = build_window_mano(carried, pad=self.pad, **options)
-        else:
-            mano = MultipoleAttention.from_carried(carried, window=self.window, pad=self.pad, **options)
-        mano.reset_mano_parameters(self.init)
-        return mano
-
-    def layer_settings(self, layer: MultipoleAttention) -> dict[str, Any]:
-        settings = {
-            "window": layer.window,
-            "rate": layer.rate,
-            "levels": "auto" if layer.levels is None else layer.levels,
-            "down": layer.down_mode,
-            "up": layer.up_mode,
-        }
-        return {**settings, **getattr(layer, "hierarchical_settings", {})}  # stage, grid of Swin layers
-
-    @classmethod
-    def card_section(cls, config: dict[str, Any]) -> tuple[str, str, str]:
-        return card.card_section(config)

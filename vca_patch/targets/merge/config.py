@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
-
-from torch import nn
 
 from vca_patch.core.errors import ConfigError
 from vca_patch.core.sizes import check_contrast_tokens
 from vca_patch.layers.carried import CarriedAttention
 from vca_patch.targets.base import RecipeOptions, TargetConfig, register_target
 from vca_patch.targets.mano.config import MANOConfig
-from vca_patch.targets.mano.layer import MultipoleAttention
-from vca_patch.targets.merge.attention import MergingAttention
-from vca_patch.targets.merge.block import MergeState, MergingForward, block_family
 from vca_patch.targets.vca.config import VCAConfig
 
 # VCAConfig options a merge config passes to its VCA layers (contrast tokens are per layer, in vca_layers).
@@ -159,26 +154,21 @@ class MergeConfig(TargetConfig):
             return 0 if self.r > 0 else None
         return next((i for i, r in enumerate(self.schedule) if r > 0), None)
 
-    def _vca_config(self) -> VCAConfig:
+    def vca_config(self) -> VCAConfig:
+        """The config of the VCA blocks (`vca_layers`, with the `vca` options)."""
         return VCAConfig(**self.vca, layer_contrast_tokens=self.vca_layers, seed=self.seed)
 
-    def as_built(self, model: nn.Module) -> MergeConfig:
-        """The VCA blocks' automatic choices as their layers got them (`VCAConfig.as_built`), in `vca`."""
-        if not self.vca_layers:
-            return self
-        built = self._vca_config().as_built(model).token_magnitude
-        if built is None or self.vca.get("token_magnitude") == built:
-            return self
-        return replace(self, vca={**self.vca, "token_magnitude": built})
-
-    def _mano_config(self, window: int) -> MANOConfig:
+    def mano_config(self, window: int) -> MANOConfig:
+        """The config of a MANO block with window `window` (the `mano` options)."""
         return MANOConfig(**self.mano, window=window, seed=self.seed)
 
     def grid_layers(self) -> dict[int, int]:
         """{block: n or k} of the blocks that run on the patch grid (VCA and MANO) instead of merging."""
         return {**(self.vca_layers or {}), **(self.mano_layers or {})}
 
-    def _check_model(self, depth: int | None, carried: CarriedAttention | None) -> None:
+    def check_model(self, depth: int | None, carried: CarriedAttention | None) -> None:
+        """Refuse a model whose depth or (through `carried`) width and heads differ from `expect`, the model the
+        plan was made for."""
         if self.expect is None:
             return
         found = {}
@@ -192,70 +182,3 @@ class MergeConfig(TargetConfig):
                 f"this merge plan was made for a model with {self.expect}, not one with {found | {}} "
                 f"(differs in {sorted(wrong)}): plan again for this model (vca-patch plan)"
             )
-
-    def build_layer(self, carried: CarriedAttention, layer_index: int) -> nn.Module:
-        self._check_model(None, carried)
-        if layer_index in (self.vca_layers or {}):
-            return self._vca_config().build_layer(carried, layer_index)
-        if layer_index in (self.mano_layers or {}):
-            return self._mano_config(self.mano_layers[layer_index]).build_layer(carried, layer_index)
-        return MergingAttention.from_carried(carried)
-
-    def block_forwards(self, blocks: dict[int, tuple[nn.Module, str]]) -> dict[int, MergingForward]:
-        """The merging forwards of the softmax blocks ({block index: (block, attention name)} of every patched site);
-        the VCA and MANO blocks run as they are. One `MergeState` is shared by this model's blocks."""
-        indices = sorted(blocks)
-        self._check_model(len(indices), None)
-        if self.schedule is not None and len(self.schedule) > indices[-1] + 1:
-            raise ConfigError(f"schedule gives r for {len(self.schedule)} blocks; this model has {indices[-1] + 1}")
-        for name, layers in (("vca_layers", self.vca_layers), ("mano_layers", self.mano_layers)):
-            outside = sorted(set(layers or {}) - set(indices))
-            if outside:
-                raise ConfigError(f"{name} names blocks {outside}, which are not patched attention blocks here")
-        grid = self.grid_layers()
-        if indices != list(range(indices[0], indices[-1] + 1)):
-            raise ConfigError(f"token merging converts a run of consecutive blocks; got blocks {indices}")
-        merging = [i for i in indices if i not in grid]
-        if not merging:
-            return {}
-        families = {i: block_family(*blocks[i]) for i in merging}  # refuses unknown blocks before building any
-        state = MergeState()
-        return {
-            i: MergingForward(
-                blocks[i][0],
-                families[i],
-                self.r_for(i),
-                first=i == merging[0],
-                last=i == indices[-1],
-                state=state,
-                residual=self.unmerge == "residual",
-            )
-            for i in merging
-        }
-
-    def layer_settings(self, layer: nn.Module) -> dict[str, Any]:
-        if isinstance(layer, MergingAttention):
-            return {"attention": "softmax (proportional)"}
-        if isinstance(layer, MultipoleAttention):
-            return {"attention": "mano", **self._mano_config(layer.window).layer_settings(layer)}
-        return {"attention": "vca", "contrast_tokens": layer.num_contrast_tokens}
-
-    # ---- Calibration hooks: the VCA blocks calibrate as VCA's (TargetConfig.calibrates / calibrate_layer) ----
-    def calibrates(self, layer: nn.Module) -> bool:
-        return self._vca_config().calibrates(layer)
-
-    def calibrate_layer(self, layer: nn.Module, capture: Any, teacher: Any, measure: Any, options: Any) -> dict:
-        return self._vca_config().calibrate_layer(layer, capture, teacher, measure, options)
-
-    # ---- Recovery-training hooks: the VCA blocks' λ group, guard and trace are VCA's ----
-    def parameter_groups(self, model: nn.Module) -> dict[str, list[nn.Parameter]]:
-        return self._vca_config().parameter_groups(model) if self.vca_layers else {}
-
-    def guard_parameters(self, model: nn.Module, options: Any) -> int:
-        return self._vca_config().guard_parameters(model, options) if self.vca_layers else 0
-
-    def parameter_trace(self, model: nn.Module) -> dict[str, Any]:
-        return self._vca_config().parameter_trace(model) if self.vca_layers else {}
-
-    def grown_tokens(self, tokens: int, num_patches: int) -> int:
-        return self._vca_config().grown_tokens(tokens, num_patches)  # with_more_tokens then refuses (ConfigError)

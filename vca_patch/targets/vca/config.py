@@ -5,22 +5,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
-
-from torch import nn
+from typing import ClassVar
 
 from vca_patch.core.errors import ConfigError
 from vca_patch.core.sizes import check_contrast_tokens
 from vca_patch.layers.carried import CarriedAttention
-from vca_patch.layers.joint_carry import CarriedJointAttention, CarriedSingleStreamAttention
 from vca_patch.layers.staged_carry import StagedCarriedAttention, default_stage_contrast_tokens
 from vca_patch.targets.base import RecipeOptions, TargetConfig, is_int, register_target
-from vca_patch.targets.vca import calibrate as calibration
-from vca_patch.targets.vca import card, fused_cpu, training
+from vca_patch.targets.vca import card
 from vca_patch.targets.vca import recipe as recipe_keys
-from vca_patch.targets.vca.builders import build_vca
 from vca_patch.targets.vca.calibrate import VCACalibration
-from vca_patch.targets.vca.layer import VisualContrastAttention
 from vca_patch.targets.vca.neighbourhood import is_local_window
 
 
@@ -181,16 +175,6 @@ class VCAConfig(TargetConfig):
             raise ConfigError("token_magnitude applies to single-grid ViTs, not hierarchical stages (PVT, Swin)")
         return self.token_magnitude
 
-    def as_built(self, model: nn.Module) -> VCAConfig:
-        if self.token_magnitude is not None:
-            return self
-        gains = {
-            getattr(layer, "token_gain", None) is not None
-            for layer in model.modules()
-            if isinstance(layer, VisualContrastAttention)
-        }
-        return dataclasses.replace(self, token_magnitude=gains.pop()) if len(gains) == 1 else self
-
     def validate(self) -> None:
         super().validate()
         n = self.contrast_tokens
@@ -238,65 +222,3 @@ class VCAConfig(TargetConfig):
             raise ConfigError(f"pvt_mode must be 'carry' or 'paper', got {self.pvt_mode!r}")
         if self.rope_contrast not in ("pooled", "centre"):
             raise ConfigError(f"rope_contrast must be 'pooled' or 'centre', got {self.rope_contrast!r}")
-
-    def build_layer(self, carried: CarriedAttention, layer_index: int) -> VisualContrastAttention:
-        settings = {
-            "contrast_grid": self.contrast_grid_for(layer_index, carried),
-            "layer_index": layer_index,
-            "softmax": self.softmax,
-            "rms_eps": self.rms_eps,
-            "prefix_readout": self.prefix_readout,
-            "stage2_temperature": self.stage2_temperature,
-        }
-        if self.uses_token_magnitude(carried):  # only then: the hierarchical variants' builders need not know it
-            settings["token_magnitude"] = True
-        if self.local_window:
-            if isinstance(carried, (StagedCarriedAttention, CarriedJointAttention, CarriedSingleStreamAttention)):
-                raise ConfigError(
-                    "local_window applies to single-grid ViTs, not hierarchical stages (PVT, Swin) or joint "
-                    "image + text attention (SD3, Flux)"
-                )
-            settings["local_window"] = self.local_window
-        mode_option = getattr(carried, "mode_option", None)  # a hierarchical stage's conversion mode field
-        vca = build_vca(carried, getattr(self, mode_option) if mode_option else None, **settings)
-        vca.reset_vca_parameters(self.init)
-        if hasattr(vca, "rope_contrast"):  # joint attention that may get a rotary embedding (Flux)
-            vca.rope_contrast = self.rope_contrast
-        return vca
-
-    def layer_settings(self, layer: VisualContrastAttention) -> dict[str, Any]:
-        settings = {"contrast_tokens": layer.num_contrast_tokens, "lambda_init": layer.lambda_init}
-        return {**settings, **getattr(layer, "hierarchical_settings", {})}  # stage, mode, grid of PVT/Swin layers
-
-    @classmethod
-    def card_section(cls, config: dict[str, Any]) -> tuple[str, str, str]:
-        return card.card_section(config)
-
-    # ---- Calibration and compute-kernel hooks (TargetConfig's; the fits live in targets/vca/calibrate.py) ----
-    def calibrates(self, layer: nn.Module) -> bool:
-        return calibration.calibrates(layer)
-
-    def calibrate_layer(self, layer: nn.Module, capture: Any, teacher: Any, measure: Any, options: Any) -> dict:
-        return calibration.calibrate_layer(layer, capture, teacher, measure, options)
-
-    def grown_tokens(self, tokens: int, num_patches: int) -> int:
-        return calibration.grown_tokens(tokens, num_patches)
-
-    def with_more_tokens(self, grow: dict[int, int]) -> VCAConfig:
-        """More contrast tokens in the blocks of `grow` (over `layer_contrast_tokens`)."""
-        overrides = {**(self.layer_contrast_tokens or {}), **grow}
-        return dataclasses.replace(self, layer_contrast_tokens=overrides)
-
-    @classmethod
-    def cpu_kernel(cls) -> fused_cpu.CpuKernel:
-        return fused_cpu.CPU_KERNEL
-
-    # ---- Recovery-training hooks (TargetConfig's; the λ group and guard live in targets/vca/training.py) ----
-    def parameter_groups(self, model: nn.Module) -> dict[str, list[nn.Parameter]]:
-        return {"lambda": training.lambda_parameters(model)}
-
-    def guard_parameters(self, model: nn.Module, options: Any) -> int:
-        return training.guard_lambdas(model, options.lambda_max) if options.lambda_guard == "clamp" else 0
-
-    def parameter_trace(self, model: nn.Module) -> dict[str, Any]:
-        return {"lambda": training.lambda_trace(model)}

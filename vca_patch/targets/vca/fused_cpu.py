@@ -97,7 +97,7 @@ def use_kernel(enabled: bool) -> AbstractContextManager[None]:
 
 
 class CpuKernel:
-    """The kernel as `VCAConfig.cpu_kernel()` hands it to shared code (bench, CLI): the functions above."""
+    """The kernel as `VCAHandler.cpu_kernel` hands it to shared code (bench, CLI): the functions above."""
 
     def available(self) -> bool:
         return kernel_available()

@@ -1,7 +1,7 @@
 """VCA's recovery-training hooks: the λ parameter group and the λ guard that keeps λ in [0, λ_max].
 
-`VCAConfig.parameter_groups` / `guard_parameters` / `parameter_trace` (TargetConfig's training hooks) call these;
-the recipe engine reaches them only through the patched model's config.
+`VCAHandler.parameter_groups` / `guard_parameters` / `parameter_trace` (the handler's recipe hooks) call these;
+the recipe engine reaches them only through the patched model's config and its handler.
 """
 
 from __future__ import annotations

@@ -3,6 +3,6 @@
 Nothing here needs importing by hand: installed, vca-patch finds both through the entry points in pyproject.toml."""
 
 from toy_plugin.family import ToyViT, ToyViTAdapter
-from toy_plugin.target import TempSoftmaxAttention, TempSoftmaxConfig
+from toy_plugin.target import TempSoftmaxAttention, TempSoftmaxConfig, TempSoftmaxHandler
 
-__all__ = ["TempSoftmaxAttention", "TempSoftmaxConfig", "ToyViT", "ToyViTAdapter"]
+__all__ = ["TempSoftmaxAttention", "TempSoftmaxConfig", "TempSoftmaxHandler", "ToyViT", "ToyViTAdapter"]

@@ -16,7 +16,7 @@ from vca_patch.core.errors import ConfigError
 from vca_patch.layers.carried import CarriedAttention, CarriedAttentionLayer
 from vca_patch.layers.layout import TokenLayout
 from vca_patch.layers.macs import AttentionShape, register_attention_macs
-from vca_patch.targets import TargetConfig, register_target
+from vca_patch.targets import TargetConfig, TargetHandler, register_handler, register_target
 
 TARGET = "temp-softmax"
 
@@ -55,10 +55,17 @@ class TempSoftmaxConfig(TargetConfig):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ConfigError(f"temperature must be a positive number, got {value!r}")
 
-    def build_layer(self, carried: CarriedAttention, layer_index: int) -> nn.Module:
-        return TempSoftmaxAttention.from_carried(carried, temperature=self.temperature)
 
-    def layer_settings(self, layer: nn.Module) -> dict[str, Any]:
+# The config above is the target's settings, plain data; what a conversion does with them is its handler, registered
+# here for the config class, so loading the entry point (this module) registers both.
+@register_handler(TempSoftmaxConfig)
+class TempSoftmaxHandler(TargetHandler):
+    """The target's behaviour: each hook takes the config first (`vca_patch.targets.protocols` lists them all)."""
+
+    def build_layer(self, config: TempSoftmaxConfig, carried: CarriedAttention, layer_index: int) -> nn.Module:
+        return TempSoftmaxAttention.from_carried(carried, temperature=config.temperature)
+
+    def layer_settings(self, config: TempSoftmaxConfig, layer: nn.Module) -> dict[str, Any]:
         return {"temperature": layer.initial_temperature}
 
 
