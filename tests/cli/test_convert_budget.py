@@ -63,12 +63,12 @@ def test_convert_budget_saves_a_checkpoint_that_reloads_with_the_measured_output
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert f"Measured at {RES} px on 2 images of --eval-data {tmp_path / 'evaluation'}" in text
-    assert "not recovered: merge r=" in text and "has no VCA blocks, so nothing a recovery would train" in text
+    assert "not recovered: merge " in text and "has no VCA blocks, so nothing a recovery would train" in text
     saved = json.loads((out / "config.json").read_text())
     speedup = saved["metadata"]["speedup"]
     assert speedup["plan"] in text and f"{speedup['latency_ratio']:.2f}x the original's latency" in text
     assert saved["config"]["target"] == "merge" and any(saved["config"]["schedule"])  # merging alone: no VCA tried
-    assert not saved["config"]["vca_layers"] and "merge r=" in speedup["plan"]
+    assert not saved["config"]["vca_layers"] and speedup["plan"].startswith("merge ")
     assert speedup["recovery"].startswith("not recovered")
 
     torch.manual_seed(0)  # the CLI's --seed 0 random weights, rebuilt

@@ -16,7 +16,7 @@ from vca_patch.planner import planner as planner_module
 from vca_patch.planner.costs import LatencyTable, fit_scales
 from vca_patch.planner.latency import TimedPlans, anchor_plans, reachable
 from vca_patch.planner.planner import finalists, paying_options
-from vca_patch.planner.sensitivity import merge_rates, merge_schedules
+from vca_patch.planner.sensitivity import MergeSchedule, merge_rates, merge_schedules
 from vca_patch.surgery import get_patch_state
 
 # What the blocks timed alone say: merging's matching costs 0.3 of the original per merging block, so every merge
@@ -141,7 +141,11 @@ def test_anchors_and_the_pruned_search():
     # within 0.7 (+10%): merging 4 or 8 from block 0 (0.72x, 0.60x), and 11 from block 1 with VCA in block 0 (0.72x;
     # 0.77x alone, over 0.7 - 10%: VCA may be needed there); VCA everywhere (0.80x) and merging from block 2 do not
     reach = reachable(info, RES, TRUTH, schedules, {"vca": 4}, budget=0.7, margin=0.1)
-    assert reach.schedules == [(0, 4), (0, 8), (1, 11)] and reach.blocks == [0] and not reach.unmerged
+    assert (
+        reach.schedules == [MergeSchedule(0, 4), MergeSchedule(0, 8), MergeSchedule(1, 11)]
+        and reach.blocks == [0]
+        and not reach.unmerged
+    )
     everything = reachable(info, RES, TRUTH, schedules, {"vca": 4}, budget=0.95, margin=0.1)
     assert everything.unmerged and everything.blocks == [0, 1, 2, 3] and len(everything.schedules) == 9
 
@@ -151,6 +155,36 @@ def test_merge_fractions_above_one_front_load_merging_and_reach_dinov2_s_figures
     assert merge_rates(info, 518, 0, (1.0, 1.2)) == [114, 137]
     with pytest.raises(PlanError, match=r"merge fractions must lie in \(0, 2\]"):
         _plan(0.5, merge_fractions=(0.5, 2.5))
+
+
+def test_front_loaded_schedules_merge_a_share_of_the_patches_first_then_r():
+    info = dataclasses.replace(synthetic_info(12), patch=14)  # DINOv2-S's 12 blocks at 518 px: 1369 patches
+    schedules = merge_schedules(info, 518, (0, 6), (0.35, 1.0), lead_shares=(0.25, 0.33, 0.5))
+    from_0 = [s for s in schedules if s.start == 0]
+    assert [(s.r, s.lead) for s in from_0] == [
+        (40, 40),
+        (40, 342),
+        (40, 452),
+        (40, 684),
+        (114, 114),
+        (114, 342),
+        (114, 452),
+        (114, 684),
+    ]  # fmt: skip
+    from_6 = [s for s in schedules if s.start == 6]  # r = 80 and 228 over 6 blocks
+    assert [(s.r, s.lead) for s in from_6] == [(80, 80), (80, 342), (80, 452), (80, 684), (228, 228),
+                                               (228, 342), (228, 452), (228, 684)]  # fmt: skip
+    front = MergeSchedule(2, 3, 9)
+    assert front.per_block(6) == [0, 0, 9, 3, 3, 3] and MergeSchedule(2, 3).per_block(6) == [0, 0, 3, 3, 3, 3]
+    assert sorted([front, MergeSchedule(2, 3), MergeSchedule(0, 5)]) == [
+        MergeSchedule(0, 5), MergeSchedule(2, 3), front,
+    ]  # fmt: skip
+    assert Candidate(front.per_block(6)).describe() == "merge 9 in block 2, then r=3"
+    assert Candidate(MergeSchedule(2, 3).per_block(6)).describe() == "merge r=3 from block 2"
+    assert Candidate([0, 4, 2, 1]).describe() == "merge r per block from block 1: [4, 2, 1]"
+    assert merge_schedules(info, 518, (0,), (1.0,)) == [MergeSchedule(0, 114)]  # no leads: constant r only
+    with pytest.raises(PlanError, match=r"merge leads must lie in \(0, 0.5\]"):
+        _plan(0.5, merge_leads=(0.6,))
 
 
 def test_finalists_include_the_best_hybrid_and_the_best_merging_only_plan():
@@ -250,7 +284,9 @@ def test_a_merge_plan_timed_within_reach_is_searched_whatever_the_fit_predicts()
     timed = TimedPlans()
     timed.add(Candidate([8] * 4), RatioInterval(0.6, 0.55, 0.7, 5))
     timed.add(Candidate([4] * 4), RatioInterval(0.9, 0.85, 0.95, 5))  # timed, but not within reach
-    assert reachable(info, RES, pessimistic, schedules, {}, budget=0.65, margin=0.1, timed=timed).schedules == [(0, 8)]
+    assert reachable(info, RES, pessimistic, schedules, {}, budget=0.65, margin=0.1, timed=timed).schedules == [
+        MergeSchedule(0, 8)
+    ]
 
 
 def test_measure_plan_reuses_a_given_timing_and_times_otherwise(monkeypatch):

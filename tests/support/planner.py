@@ -9,7 +9,7 @@ from PIL import Image
 
 from vca_patch.planner import ModelInfo
 from vca_patch.planner.costs import LatencyTable
-from vca_patch.planner.sensitivity import Loss, Sensitivity
+from vca_patch.planner.sensitivity import Loss, MergeSchedule, Sensitivity
 
 RES = 56  # 4x4 patches of 14 px + CLS
 
@@ -38,8 +38,8 @@ def synthetic_measurements() -> tuple[ModelInfo, LatencyTable, Sensitivity]:
     for block in range(4):
         sens.vca[(block, 4)] = Loss(0.02 * (block + 1), 0.01)
         sens.vca[(block, 16)] = Loss(0.005 * (block + 1), 0.004)
-    sens.merge[(0, 4)] = Loss(0.01, 0.3)
-    sens.merge[(2, 6)] = Loss(0.002, 0.1)
+    sens.merge[MergeSchedule(0, 4)] = Loss(0.01, 0.3)
+    sens.merge[MergeSchedule(2, 6)] = Loss(0.002, 0.1)
     return info, table, sens
 
 

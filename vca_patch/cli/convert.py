@@ -154,6 +154,13 @@ class ConvertArgs:
     merge_fractions: Annotated[
         str | None, typer.Option(help="--budget: fractions of the patch tokens merging may remove (default 0.3-0.95)")
     ] = None
+    merge_leads: Annotated[
+        str | None,
+        typer.Option(
+            help="--budget: shares of the patch tokens merged in the first merging block, front-loaded merging "
+            "(default 0.25,0.33; 'none': constant r only)"
+        ),
+    ] = None
     mano_windows: Annotated[
         str | None, typer.Option(help="--budget: MANO window sides k to try, e.g. '7' ('none': no MANO blocks)")
     ] = None

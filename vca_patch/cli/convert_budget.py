@@ -33,7 +33,8 @@ NOT_WITH_BUDGET = {
 }  # fmt: skip
 ONLY_WITH_BUDGET = {
     "resolution": "--resolution", "eval_data": "--eval-data", "recipe": "--recipe",
-    "merge_fractions": "--merge-fractions", "mano_windows": "--mano-windows", "repeats": "--repeats",
+    "merge_fractions": "--merge-fractions", "merge_leads": "--merge-leads", "mano_windows": "--mano-windows",
+    "repeats": "--repeats",
     "min_time": "--min-time",
 }  # fmt: skip
 PLANNED_VCA_OPTIONS = {"target_contrast_tokens": "contrast_tokens", "target_local_window": "local_window"}
@@ -100,6 +101,7 @@ def search_options(args: ConvertArgs, target_values: dict[str, Any], defaults: d
             value = target_values[param]
             search[keyword] = ((value,) if value else ()) if keyword == "contrast_tokens" else value
     for keyword, text, kind, flag in (("merge_fractions", args.merge_fractions, float, "--merge-fractions"),
+                                      ("merge_leads", args.merge_leads, float, "--merge-leads"),
                                       ("mano_windows", args.mano_windows, int, "--mano-windows")):  # fmt: skip
         values = _numbers(text, kind, flag)
         if values is not None:
@@ -107,7 +109,7 @@ def search_options(args: ConvertArgs, target_values: dict[str, Any], defaults: d
     if args.to == "vca":  # given: VCA blocks only, no token merging or MANO
         if search.get("contrast_tokens") == ():
             raise ConfigError("--to vca with --contrast-tokens 0 leaves nothing to plan; drop one of them")
-        search |= {"merge_fractions": [], "mano_windows": []}
+        search |= {"merge_fractions": [], "merge_leads": [], "mano_windows": []}
     return search
 
 

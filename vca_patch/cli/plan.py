@@ -19,7 +19,7 @@ from vca_patch.core.sizes import MAX_IMG_SIZE, check_bound
 from vca_patch.planner import PLAN_UNMERGE_MODES, PlanError, PlanResult, draw_front, plan_model, save_plan
 from vca_patch.planner.costs import token_counts
 from vca_patch.planner.images import image_files, load_images
-from vca_patch.planner.planner import DEFAULT_MERGE_FRACTIONS
+from vca_patch.planner.planner import DEFAULT_MERGE_FRACTIONS, DEFAULT_MERGE_LEADS
 
 
 def _numbers(text: str, kind: type, name: str) -> list:
@@ -126,6 +126,13 @@ class PlanArgs:
             "merged; above 1 merging is front-loaded (a merge takes at most half the tokens left)"
         ),
     ] = ",".join(f"{f:g}" for f in DEFAULT_MERGE_FRACTIONS)
+    merge_leads: Annotated[
+        str,
+        typer.Option(
+            help="Front-loaded merging: shares of the patch tokens merged in the first merging block, in (0, 0.5], "
+            "each tried with every r of --merge-fractions after it ('none': constant r only)"
+        ),
+    ] = ",".join(f"{f:g}" for f in DEFAULT_MERGE_LEADS)
     objective: Annotated[str, typer.Option(help="What to keep: cls, patch (dense) or both")] = "both"
     unmerge: Annotated[
         str,
@@ -183,6 +190,8 @@ def _search_space(args: PlanArgs) -> dict[str, Any]:
     windows = args.mano_windows.strip().lower()
     ks = [] if windows in ("", "none") else _numbers(args.mano_windows, int, "--mano-windows")
     fractions = _numbers(args.merge_fractions, float, "--merge-fractions")
+    leads_text = args.merge_leads.strip().lower()
+    leads = [] if leads_text in ("", "none") else _numbers(leads_text, float, "--merge-leads")
     if not args.budget > 0:
         raise PlanError(f"--budget must be a positive latency ratio (e.g. 0.5), got {args.budget}")
     if args.images < 1 or args.eval_images < 0:
@@ -190,7 +199,8 @@ def _search_space(args: PlanArgs) -> dict[str, Any]:
     if args.unmerge not in PLAN_UNMERGE_MODES:
         raise PlanError(f"--unmerge must be one of {', '.join(PLAN_UNMERGE_MODES)}, got {args.unmerge!r}")
     check_bound(args.resolution, "--resolution", 1, MAX_IMG_SIZE)  # before a position table of that size is built
-    return {"contrast_tokens": ns, "mano_windows": ks, "local_window": args.local_window, "merge_fractions": fractions}
+    return {"contrast_tokens": ns, "mano_windows": ks, "local_window": args.local_window, "merge_fractions": fractions,
+            "merge_leads": leads}  # fmt: skip
 
 
 def _checked_inputs(args: PlanArgs) -> list[Path]:

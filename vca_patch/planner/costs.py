@@ -106,12 +106,19 @@ class LatencyTable:
         1 minus each part's predicted saving times its scale (the original itself is then exactly 1)."""
         if self.scales:
             saved = self.savings(info, resolution, schedule, vca_layers, mano_layers)
-            return 1.0 - sum(self.scales.get(kind, 1.0) * seconds for kind, seconds in saved.items()) / self.original_s
+            ratio = 1.0 - sum(self.scales.get(kind, 1.0) * seconds for kind, seconds in saved.items()) / self.original_s
+            return max(ratio, self.floor(info))
         counts = token_counts(info, resolution, schedule)
         mano_layers = mano_layers or {}
         merges = [i < len(schedule) and schedule[i] > 0 for i in range(len(counts))]
         blocks = sum(self.block_s(t, vca_layers.get(i), mano_layers.get(i), merges[i]) for i, t in enumerate(counts))
         return (self.other_s + blocks) / self.original_s
+
+    def floor(self, info: ModelInfo) -> float:
+        """The lowest ratio a plan can be predicted at: every block at the fewest tokens timed, plus the rest of
+        the model. Scaled savings extrapolate: a merge scale fitted on a small model (3x) once predicted a
+        front-loaded merge at -0.4x."""
+        return (self.other_s + info.depth * min(self.softmax_s)) / self.original_s
 
     def savings(
         self,

@@ -16,6 +16,7 @@ from vca_patch.bench.timing import RatioInterval
 from vca_patch.planner.costs import LatencyTable, fit_scales
 from vca_patch.planner.model_info import ModelInfo
 from vca_patch.planner.search import Candidate
+from vca_patch.planner.sensitivity import MergeSchedule
 
 
 def as_interval(value: RatioInterval | float) -> RatioInterval:
@@ -114,7 +115,7 @@ def anchor_plans(
     info: ModelInfo,
     resolution: int,
     table: LatencyTable,
-    schedules: Sequence[tuple[int, int]],
+    schedules: Sequence[MergeSchedule],
     ns: Sequence[int],
     windows: Sequence[int],
 ) -> list[Candidate]:
@@ -123,8 +124,9 @@ def anchor_plans(
     for VCA and MANO, where its block timed alone may pay (within MAY_PAY of a softmax block: timed alone on a
     loaded machine, a VCA block that pays read 1.14x a softmax block's time)."""
     out = []
-    first = min((j for j, _ in schedules), default=None)
-    rates = sorted(r for j, r in schedules if j == first)
+    constant = [s for s in schedules if s.first is None]
+    first = min((s.start for s in constant), default=None)
+    rates = sorted(s.r for s in constant if s.start == first)
     for r in sorted({rates[-1], rates[len(rates) // 2]} if rates else ()):
         out.append(Candidate([0] * first + [r] * (info.depth - first)))
     full = MAY_PAY * table.block_s(info.tokens(resolution))
@@ -139,11 +141,11 @@ def anchor_plans(
 
 @dataclass
 class Reach:
-    """What a plan predicted within the budget (plus a margin) could use: merge schedules (start, r), blocks that
+    """What a plan predicted within the budget (plus a margin) could use: merge schedules, blocks that
     may be VCA or MANO (before a schedule's start, when merging alone does not already reach), and whether the
     plans without merging reach."""
 
-    schedules: list[tuple[int, int]]
+    schedules: list[MergeSchedule]
     blocks: list[int]
     unmerged: bool
 
@@ -152,7 +154,7 @@ def reachable(
     info: ModelInfo,
     resolution: int,
     table: LatencyTable,
-    schedules: Sequence[tuple[int, int]],
+    schedules: Sequence[MergeSchedule],
     options: dict[str, int],
     budget: float,
     margin: float,
@@ -165,13 +167,13 @@ def reachable(
     block only costs fidelity). Predicted with `table` as calibrated."""
     measured = {c.describe(): t.ratio for c, t in (timed.plans.values() if timed is not None else ())}
     kept, blocks = [], set()
-    for start, r in schedules:
-        schedule = [0] * start + [r] * (info.depth - start)
+    for merge in schedules:
+        schedule, start = merge.per_block(info.depth), merge.start
         vca, mano = _fastest_before(table, options, start)
         alone = measured.get(Candidate(schedule).describe(), float("inf")) <= budget * (1 + margin)
         if not alone and table.ratio(info, resolution, schedule, vca, mano) > budget * (1 + margin):
             continue
-        kept.append((start, r))
+        kept.append(merge)
         if table.ratio(info, resolution, schedule, {}) > budget * (1 - margin):
             blocks.update(range(start))
     vca, mano = _fastest_before(table, options, info.depth)

@@ -26,7 +26,7 @@ from vca_patch.planner.search import (
     no_plan_error,
     pareto,
 )
-from vca_patch.planner.sensitivity import Sensitivity, measure_sensitivity, merge_schedules
+from vca_patch.planner.sensitivity import MergeSchedule, Sensitivity, measure_sensitivity, merge_schedules
 from vca_patch.recovery.calibrate import calibrate as calibrate_model
 from vca_patch.surgery import patch_model
 from vca_patch.targets.base import TargetConfig, plan_space
@@ -35,6 +35,8 @@ DEFAULT_CONTRAST_TOKENS = (16, 49)
 # up to 1.4: r = 160 per block from block 0 at 518 px on DINOv2-S (1369 patches); its block timings on an idle
 # 2-core machine predict 0.55x for 1.0 (r = 114, measured 0.52x), 0.48x for 1.2 (r = 137) and 0.43x for 1.4
 DEFAULT_MERGE_FRACTIONS = (0.3, 0.5, 0.7, 0.85, 0.95, 1.0, 1.2, 1.4)
+# front-loaded merging: shares of the patch tokens merged in the first merging block (`MergeSchedule`)
+DEFAULT_MERGE_LEADS = (0.25, 0.33)
 DEFAULT_MANO_WINDOWS = (7,)
 PLAN_UNMERGE_MODES = ("auto", *plan_space().unmerge_modes)
 LATENCY_SLACK = 0.05  # finalists may be predicted this much (relative) over the budget: their measured time decides
@@ -574,30 +576,28 @@ def _timed_table(
     resolution: int,
     contrast_tokens: Sequence[int],
     mano_windows: Sequence[int],
-    starts: Sequence[int],
-    merge_fractions: Sequence[float],
+    schedules: Sequence[MergeSchedule],
     local_window: int,
     unmerge: str,
     timed: TimedPlans,
     log: Callable[[str], None],
     **timing: Any,
-) -> tuple[LatencyTable, list[tuple[int, int]]]:
-    """(the block timings calibrated on whole-model timings of the anchor plans, every merge schedule (start, r))."""
+) -> LatencyTable:
+    """The block timings calibrated on whole-model timings of anchor plans among `schedules`."""
     log(f"timing blocks at {resolution} px ({info.tokens(resolution)} tokens); merged tokens return by {unmerge}")
     table = measure_latency_table(
         model, info, resolution, contrast_tokens, mano_windows=mano_windows, repeats=timing["repeats"],
         unmerge=unmerge, min_time=timing["min_time"], local_window=local_window,
     )  # fmt: skip
-    schedules = merge_schedules(info, resolution, starts, merge_fractions)
     anchors = anchor_plans(info, resolution, table, schedules, contrast_tokens, mano_windows)
-    return _anchored(model, info, resolution, table, anchors, timed, unmerge, log, **timing), schedules
+    return _anchored(model, info, resolution, table, anchors, timed, unmerge, log, **timing)
 
 
 def _reach(
     info: ModelInfo,
     resolution: int,
     table: LatencyTable,
-    schedules: Sequence[tuple[int, int]],
+    schedules: Sequence[MergeSchedule],
     options: dict[str, int],
     budget: float,
     margin: float | None,
@@ -658,6 +658,7 @@ def plan_model(
     contrast_tokens: Sequence[int] = DEFAULT_CONTRAST_TOKENS,
     merge_starts: Sequence[int] | None = None,
     merge_fractions: Sequence[float] = DEFAULT_MERGE_FRACTIONS,
+    merge_leads: Sequence[float] = DEFAULT_MERGE_LEADS,
     mano_windows: Sequence[int] = DEFAULT_MANO_WINDOWS,
     local_window: int = 0,
     calibrate: bool = True,
@@ -681,7 +682,9 @@ def plan_model(
     block is not faster than a softmax block at the full grid is timed only (`paying_options`). VCA blocks carry a
     local term of window `local_window` when > 0 (odd: VCA's `local_window`; timed and measured with it, so the
     search weighs its cost and its fidelity). `merge_fractions` in (0, 2]: of the patch tokens merged over the
-    blocks from a start on (`sensitivity.merge_rates`; above 1, merging front-loaded). `unmerge` (token merging's
+    blocks from a start on (`sensitivity.merge_rates`; above 1, merging front-loaded); `merge_leads` in (0, 0.5]:
+    each such r also after a first merging block that merges this share of the patch tokens (front-loaded merging,
+    `sensitivity.MergeSchedule`; empty: constant r only). `unmerge` (token merging's
     "copy" or "residual", or "auto": `planned_unmerge`) is how merged tokens return at the end.
 
     Timing: block timings first (`repeats` rounds, `min_time` seconds), rescaled to whole-model timings of a few
@@ -697,6 +700,8 @@ def plan_model(
     log = log or (lambda message: None)
     unmerge = _checked_options(images, budget, resolution, objective, unmerge, merge_fractions, mano_windows,
                                local_window)  # fmt: skip
+    if any(isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= 0.5 for s in merge_leads):
+        raise PlanError(f"merge leads must lie in (0, 0.5] (a share of the patch tokens), got {list(merge_leads)}")
     info = model_info(model)
     info.grid(resolution)
     starts = sorted(set(merge_starts if merge_starts is not None else range(0, info.depth, max(1, info.depth // 4))))
@@ -704,8 +709,9 @@ def plan_model(
         raise PlanError(f"merge starts must be blocks 0..{info.depth - 1}, got {starts}")
     timing = {"repeats": repeats, "min_time": min_time, "timing": timing or default_timing(budget, min_time)}
     timed = TimedPlans()
-    table, schedules = _timed_table(model, info, resolution, contrast_tokens, mano_windows, starts, merge_fractions,
-                                    local_window, unmerge, timed, log, **timing)  # fmt: skip
+    schedules = merge_schedules(info, resolution, starts, merge_fractions, merge_leads)
+    table = _timed_table(model, info, resolution, contrast_tokens, mano_windows, schedules, local_window, unmerge,
+                         timed, log, **timing)  # fmt: skip
     ns, windows = paying_options(table, info, resolution, contrast_tokens, mano_windows, log)
     margin = None if search_margin is None else max(search_margin, timed.spread())
     reach = _reach(info, resolution, table, schedules, fastest_options(table, ns, windows), budget, margin, timed, log)

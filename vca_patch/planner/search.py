@@ -1,7 +1,8 @@
 """The plan search: every measured merge schedule, each with a greedy VCA / MANO assignment of the blocks before it.
 
 Predicted fidelity is additive in the measured losses (1 − cosine) of the parts, each measured alone; predicted
-latency comes from the measured latency table. For each merge schedule (none, or r per block from block j on),
+latency comes from the measured latency table. For each merge schedule (none, or r per block from block j on,
+constant or front-loaded: `sensitivity.MergeSchedule`),
 each block before j is softmax, VCA(n) or MANO(k); moves are made greedily, best latency saved per predicted loss
 first: switching a block to VCA(n) or MANO(k) (from softmax, from the other kind, or VCA to a smaller n), each
 move saving predicted latency; every step is a candidate. `choose` takes the best predicted objective within
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from vca_patch.bench.timing import RatioInterval
 from vca_patch.planner.costs import LatencyTable, plan_macs
 from vca_patch.planner.model_info import ModelInfo, PlanError
-from vca_patch.planner.sensitivity import Sensitivity
+from vca_patch.planner.sensitivity import MergeSchedule, Sensitivity
 from vca_patch.targets.base import plan_space
 
 OBJECTIVES = ("cls", "patch", "both")
@@ -63,15 +64,14 @@ class Candidate:
         return {"vca": dict(self.vca_layers), "mano": dict(self.mano_layers)}
 
     def describe(self) -> str:
-        merging = [(i, r) for i, r in enumerate(self.schedule) if r]
         parts = []
         if self.vca_layers:
             local = f" (local {self.local_window}x{self.local_window})" if self.local_window else ""
             parts.append(f"VCA{local} " + ", ".join(f"{i}:n={n}" for i, n in sorted(self.vca_layers.items())))
         if self.mano_layers:
             parts.append("MANO " + ", ".join(f"{i}:k={k}" for i, k in sorted(self.mano_layers.items())))
-        if merging:
-            parts.append(f"merge r={merging[0][1]} from block {merging[0][0]}")
+        if any(self.schedule):
+            parts.append(describe_merging(self.schedule))
         return "; ".join(parts) or "original (softmax everywhere)"
 
     def to_dict(self) -> dict:
@@ -89,10 +89,24 @@ class Candidate:
         }
 
 
+def describe_merging(schedule: Sequence[int]) -> str:
+    """A merge schedule (r per block) in words: "merge r=114 from block 0" (constant), "merge 456 in block 0, then
+    r=40" (front-loaded), or the r of each block from the first that merges."""
+    start = next(i for i, r in enumerate(schedule) if r)
+    lead, rest = schedule[start], list(schedule[start + 1 :])
+    if all(r == lead for r in rest):
+        return f"merge r={lead} from block {start}"
+    if rest and all(r == rest[0] for r in rest):
+        return f"merge {lead} in block {start}, then r={rest[0]}"
+    return f"merge r per block from block {start}: {list(schedule[start:])}"
+
+
 Option = tuple[str, int]  # ("vca", n) or ("mano", k)
 
 
-def _candidate(info, resolution, table, sens, schedule, options: dict[int, Option], merge_key, base_macs) -> Candidate:
+def _candidate(
+    info, resolution, table, sens, schedule, options: dict[int, Option], merge_key: MergeSchedule | None, base_macs
+) -> Candidate:
     cls_loss = sens.merge[merge_key].cls if merge_key else 0.0
     patch_loss = sens.merge[merge_key].patch if merge_key else 0.0
     for block, (kind, value) in options.items():
@@ -139,9 +153,9 @@ def candidates(
     base_macs = plan_macs(info, resolution, [], {})
     options: list[Option] = [("vca", n) for n in sorted({n for _, n in sens.vca})]
     options += [("mano", k) for k in sorted({k for _, k in sens.mano})]
-    schedules: list[tuple[list[int], tuple[int, int] | None, int]] = [([0] * info.depth, None, info.depth)]
-    for start, r in sorted(sens.merge):
-        schedules.append(([0] * start + [r] * (info.depth - start), (start, r), start))
+    schedules: list[tuple[list[int], MergeSchedule | None, int]] = [([0] * info.depth, None, info.depth)]
+    for merge in sorted(sens.merge):
+        schedules.append((merge.per_block(info.depth), merge, merge.start))
     out = []
     for schedule, key, first in schedules:
         chosen: dict[int, Option] = {}

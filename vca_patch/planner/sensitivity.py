@@ -3,7 +3,8 @@
 * VCA(n) in one block (with a local term of window `local_window` when > 0; calibrated on the same images when
   `calibrate`), every other block softmax;
 * MANO(k) in one block (window k, its preserving init: training-free), every other block softmax;
-* merging r tokens per block from block j to the last (the ToMe schedule, started at depth j).
+* merging r tokens per block from block j to the last (the ToMe schedule, started at depth j), and front-loaded:
+  a share of the patch tokens merged in block j itself, then r per block (`MergeSchedule`).
 
 Each is run from the original's hidden state at the first block it changes (teacher-forced up to there), and
 scored against the original's final tokens: the losses 1 − CLS cosine and 1 − mean patch-token cosine. The configs
@@ -37,14 +38,38 @@ class Loss:
         return {"cls": self.cls, "patch": self.patch}
 
 
+@dataclass(frozen=True)
+class MergeSchedule:
+    """Token merging from block `start` on: `r` tokens after each block, except `first` (when given) after block
+    `start` itself. A front-loaded merge (a large `first`, a small `r`) keeps more tokens to the end than ToMe's
+    constant r at the same cost, so the unmerge has more to give back: patch tokens stay closer (DINOv2-S at 518 px,
+    calibration crops: `docs/guides/planner.md`)."""
+
+    start: int
+    r: int
+    first: int | None = None
+
+    @property
+    def lead(self) -> int:
+        """Tokens merged after block `start`."""
+        return self.r if self.first is None else self.first
+
+    def per_block(self, depth: int) -> list[int]:
+        """r of every block of a `depth`-block model: 0 before `start`."""
+        return [0] * self.start + [self.lead] + [self.r] * (depth - self.start - 1)
+
+    def __lt__(self, other: MergeSchedule) -> bool:
+        return (self.start, self.lead, self.r) < (other.start, other.lead, other.r)
+
+
 @dataclass
 class Sensitivity:
-    """{(block, n): Loss} of VCA alone in one block; {(start, r): Loss} of merging r per block from `start` on;
+    """{(block, n): Loss} of VCA alone in one block; {MergeSchedule: Loss} of each merge schedule;
     {(block, k): Loss} of MANO with window k alone in one block; `local_window`: the VCA blocks' local term (0: none).
     """
 
     vca: dict[tuple[int, int], Loss] = field(default_factory=dict)
-    merge: dict[tuple[int, int], Loss] = field(default_factory=dict)
+    merge: dict[MergeSchedule, Loss] = field(default_factory=dict)
     mano: dict[tuple[int, int], Loss] = field(default_factory=dict)
     local_window: int = 0
 
@@ -56,7 +81,10 @@ class Sensitivity:
         return {
             "vca": [{"block": b, "n": n, **loss.to_dict()} for (b, n), loss in sorted(self.vca.items())],
             "vca_local_window": self.local_window,
-            "merge": [{"start": j, "r": r, **loss.to_dict()} for (j, r), loss in sorted(self.merge.items())],
+            "merge": [
+                {"start": s.start, "r": s.r, "first": s.lead, **loss.to_dict()}
+                for s, loss in sorted(self.merge.items())
+            ],
             "mano": [{"block": b, "window": k, **loss.to_dict()} for (b, k), loss in sorted(self.mano.items())],
         }
 
@@ -79,10 +107,23 @@ def merge_rates(info: ModelInfo, resolution: int, start: int, fractions: Sequenc
 
 
 def merge_schedules(
-    info: ModelInfo, resolution: int, starts: Sequence[int], fractions: Sequence[float]
-) -> list[tuple[int, int]]:
-    """Every (start, r) of `merge_rates` for each start."""
-    return [(start, r) for start in starts for r in merge_rates(info, resolution, start, fractions)]
+    info: ModelInfo,
+    resolution: int,
+    starts: Sequence[int],
+    fractions: Sequence[float],
+    lead_shares: Sequence[float] = (),
+) -> list[MergeSchedule]:
+    """Every constant r of `merge_rates` from each start and, for each share s of `lead_shares` (of the patch
+    tokens, at most 0.5: one merge takes at most half), the same r after a first block that merges s of the patch
+    tokens: front-loaded schedules (where that is more than r)."""
+    patches = info.tokens(resolution) - info.num_prefix_tokens
+    leads = sorted({min(round(share * patches), (patches + 1) // 2) for share in lead_shares})
+    out = []
+    for start in starts:
+        for r in merge_rates(info, resolution, start, fractions):
+            out.append(MergeSchedule(start, r))
+            out += [MergeSchedule(start, r, lead) for lead in leads if lead > r]
+    return out
 
 
 @torch.no_grad()
@@ -99,13 +140,13 @@ def measure_sensitivity(
     calibrate: bool = True,
     unmerge: str = "copy",
     local_window: int = 0,
-    merges: Sequence[tuple[int, int]] | None = None,
+    merges: Sequence[MergeSchedule] | None = None,
     blocks: Sequence[int] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> Sensitivity:
     """Measure every candidate alone; the model is left unpatched as it came. With calibration, VCA blocks are
     calibrated on every other image and every candidate is scored on the rest (`split_for_measurement`). Merging
-    is measured with `unmerge` (the plan space's), as the plan will apply it. `merges`: the (start, r) to measure
+    is measured with `unmerge` (the plan space's), as the plan will apply it. `merges`: the schedules to measure
     (default: `merge_schedules` of the starts and fractions); `blocks`: where VCA and MANO are measured (default:
     every block), e.g. only those a plan within the budget could convert."""
     log = log or (lambda message: None)
@@ -115,11 +156,12 @@ def measure_sensitivity(
     reference = model.get_submodule(info.norm_path)(states[-1])
     result = Sensitivity(local_window=local_window)
     merges = merge_schedules(info, resolution, merge_starts, merge_fractions) if merges is None else merges
-    for start, r in merges:
-        config = space.schedule_config([0] * start + [r] * (info.depth - start), unmerge=unmerge)
-        result.merge[(start, r)] = _merge_loss(model, info, resolution, config, start, states, reference)
-    for start in sorted({j for j, _ in result.merge}):
-        done = [(r, round(1 - loss.cls, 4)) for (j, r), loss in result.merge.items() if j == start]
+    for schedule in merges:
+        config = space.schedule_config(schedule.per_block(info.depth), unmerge=unmerge)
+        loss = _merge_loss(model, info, resolution, config, schedule.start, states, reference)
+        result.merge[schedule] = loss
+    for start in sorted({s.start for s in result.merge}):
+        done = [(s.r, round(1 - loss.cls, 4)) for s, loss in sorted(result.merge.items()) if s.start == start]
         log(f"  merging from block {start}: (r, CLS cosine) {done}")
     blocks = list(range(info.depth) if blocks is None else blocks)
     for kind, values, window in ((space.kind("vca"), contrast_tokens, local_window),
