@@ -180,6 +180,7 @@ def test_front_loaded_schedules_merge_a_share_of_the_patches_first_then_r():
         MergeSchedule(0, 5), MergeSchedule(2, 3), front,
     ]  # fmt: skip
     assert Candidate(front.per_block(6)).describe() == "merge 9 in block 2, then r=3"
+    assert (front.label(), MergeSchedule(2, 3).label()) == ("9 then r=3", "r=3")
     assert Candidate(MergeSchedule(2, 3).per_block(6)).describe() == "merge r=3 from block 2"
     assert Candidate([0, 4, 2, 1]).describe() == "merge r per block from block 1: [4, 2, 1]"
     assert merge_schedules(info, 518, (0,), (1.0,)) == [MergeSchedule(0, 114)]  # no leads: constant r only

@@ -152,7 +152,7 @@ class ConvertArgs:
         ),
     ] = None
     merge_fractions: Annotated[
-        str | None, typer.Option(help="--budget: fractions of the patch tokens merging may remove (default 0.3-0.95)")
+        str | None, typer.Option(help="--budget: fractions of the patch tokens merging may remove (default 0.3-1.4)")
     ] = None
     merge_leads: Annotated[
         str | None,

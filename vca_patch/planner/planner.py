@@ -34,7 +34,7 @@ from vca_patch.targets.base import TargetConfig, plan_space
 DEFAULT_CONTRAST_TOKENS = (16, 49)
 # up to 1.4: r = 160 per block from block 0 at 518 px on DINOv2-S (1369 patches); its block timings on an idle
 # 2-core machine predict 0.55x for 1.0 (r = 114, measured 0.52x), 0.48x for 1.2 (r = 137) and 0.43x for 1.4
-DEFAULT_MERGE_FRACTIONS = (0.3, 0.5, 0.7, 0.85, 0.95, 1.0, 1.2, 1.4)
+DEFAULT_MERGE_FRACTIONS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.85, 0.95, 1.0, 1.2, 1.4)
 # front-loaded merging: shares of the patch tokens merged in the first merging block (`MergeSchedule`)
 DEFAULT_MERGE_LEADS = (0.25, 0.33)
 DEFAULT_MANO_WINDOWS = (7,)

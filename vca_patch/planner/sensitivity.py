@@ -58,6 +58,10 @@ class MergeSchedule:
         """r of every block of a `depth`-block model: 0 before `start`."""
         return [0] * self.start + [self.lead] + [self.r] * (depth - self.start - 1)
 
+    def label(self) -> str:
+        """"r=114", or "452 then r=34" when front-loaded."""
+        return f"r={self.r}" if self.first is None else f"{self.first} then r={self.r}"
+
     def __lt__(self, other: MergeSchedule) -> bool:
         return (self.start, self.lead, self.r) < (other.start, other.lead, other.r)
 
@@ -161,8 +165,8 @@ def measure_sensitivity(
         loss = _merge_loss(model, info, resolution, config, schedule.start, states, reference)
         result.merge[schedule] = loss
     for start in sorted({s.start for s in result.merge}):
-        done = [(s.r, round(1 - loss.cls, 4)) for s, loss in sorted(result.merge.items()) if s.start == start]
-        log(f"  merging from block {start}: (r, CLS cosine) {done}")
+        done = [f"{s.label()} {1 - loss.cls:.4f}" for s, loss in sorted(result.merge.items()) if s.start == start]
+        log(f"  merging from block {start}, CLS cosine: {', '.join(done)}")
     blocks = list(range(info.depth) if blocks is None else blocks)
     for kind, values, window in ((space.kind("vca"), contrast_tokens, local_window),
                                  (space.kind("mano"), mano_windows, 0)):  # fmt: skip
