@@ -30,6 +30,7 @@ from vca_patch.planner.sensitivity import MergeSchedule, Sensitivity, measure_se
 from vca_patch.recovery.calibrate import calibrate as calibrate_model
 from vca_patch.surgery import patch_model
 from vca_patch.targets.base import TargetConfig, plan_space
+from vca_patch.targets.handler import handler_for
 
 DEFAULT_CONTRAST_TOKENS = (16, 49)
 # up to 1.4: r = 160 per block from block 0 at 518 px on DINOv2-S (1369 patches); its block timings on an idle
@@ -149,7 +150,8 @@ def apply_plan(model: nn.Module, config: TargetConfig, calibration: torch.Tensor
     """Patch `model` with the plan, in place; calibrate the blocks that calibrate (VCA) on `calibration` images when
     given (MANO blocks keep their preserving init)."""
     patch_model(model, config)
-    if calibration is not None and any(config.calibrates(module) for module in model.modules()):
+    handler = handler_for(config)
+    if calibration is not None and any(handler.calibrates(config, module) for module in model.modules()):
         calibrate_model(model, [calibration])
     return model
 

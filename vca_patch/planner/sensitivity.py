@@ -27,6 +27,7 @@ from vca_patch.recovery.calibrate import calibrate as calibrate_model
 from vca_patch.recovery.capture import capture_original_layers
 from vca_patch.surgery import patch_model, unpatch_model
 from vca_patch.targets.base import TargetConfig, plan_space
+from vca_patch.targets.handler import handler_for
 
 
 @dataclass
@@ -59,7 +60,7 @@ class MergeSchedule:
         return [0] * self.start + [self.lead] + [self.r] * (depth - self.start - 1)
 
     def label(self) -> str:
-        """"r=114", or "452 then r=34" when front-loaded."""
+        """ "r=114", or "452 then r=34" when front-loaded."""
         return f"r={self.r}" if self.first is None else f"{self.first} then r={self.r}"
 
     def __lt__(self, other: MergeSchedule) -> bool:
@@ -208,6 +209,7 @@ def _converted(model: nn.Module, config: TargetConfig, fit: torch.Tensor | None)
     calibration per block (each patch verifies every layer: ~40 s of the old planner's 12 minutes)."""
     twin = copy.deepcopy(model)
     patch_model(twin, config)
-    if fit is not None and any(config.calibrates(module) for module in twin.modules()):
+    handler = handler_for(config)
+    if fit is not None and any(handler.calibrates(config, module) for module in twin.modules()):
         calibrate_model(twin, [fit], captures=capture_original_layers(twin, [fit]))
     return twin
