@@ -108,6 +108,15 @@ class HierarchicalRow:
     skipped: str | None = None  # why the variant could not be built (e.g. MANO on PVT)
 
 
+def _skip_reason(error: Exception, limit: int = 200) -> str:
+    """Why a variant could not be built, for its row: the last refused site's reason (a `NothingToPatchError`
+    lists them), else the error's first line, cut at `limit` characters."""
+    skipped = getattr(error, "skipped", None)
+    reason = skipped[-1].reason if skipped else (str(error).splitlines() or [type(error).__name__])[0]
+    reason = reason.removeprefix("could not build the replacement: ")
+    return reason[:limit] + ("…" if len(reason) > limit else "")
+
+
 def run_hierarchical_sweep(
     model_name: str,
     resolutions: list[int],
@@ -149,8 +158,7 @@ def run_hierarchical_sweep(
                 if config is not None:
                     patch_model(model, config)
             except Exception as error:  # e.g. MANO on PVT's reduction: say why, keep measuring the others
-                reason = str(error).splitlines()[0].rpartition("could not build the replacement: ")[2]
-                row.skipped = reason[:100] + ("…" if len(reason) > 100 else "")
+                row.skipped = _skip_reason(error)
                 log(f"  {name} skipped at {px}px: {row.skipped}")
                 continue
             models[name] = model.eval()

@@ -37,6 +37,7 @@ from vca_patch.checkpoint.delta import (
     merge_delta,
     split_delta,
 )
+from vca_patch.checkpoint.legacy_keys import renamed_legacy_holders
 from vca_patch.checkpoint.model_card import check_metadata, render_model_card
 from vca_patch.core.atomic import atomic_write_text, staged_directory
 from vca_patch.core.bounded import read_json
@@ -313,6 +314,7 @@ def from_pretrained(
         state = read_state_dict(path)
     except WeightsMismatchError as exc:  # truncated, corrupt or not a weights file
         raise CheckpointError(str(exc)) from None
+    state = renamed_legacy_holders(model, state)  # new parameters saved under `….vca.…` for any target
     if delta:
         state = merge_delta(state, base_state_dict, list(model.state_dict()), meta["delta"])
     if meta.get("packed"):  # the target rebuilds its packed modules from the file's tensors

@@ -51,6 +51,20 @@ class CarriedAttention:
         layer.gate, layer.proj_drop = self.gate, self.proj_drop
 
 
+class VariantRequired(TypeError):
+    """A carry refused a generic replacement built around it (`CarriedAttention.instantiate`): its attention (a
+    PVT spatial reduction, Swin windows, joint image + text streams) is not plain softmax attention over one token
+    grid, so only a target that builds its own variant for it takes it. `carried` is the carry that refused, so
+    that the caller can name the targets that build one (surgery asks the registered targets' handlers)."""
+
+    def __init__(self, kind: str, layer_cls: type, carried: CarriedAttention) -> None:
+        super().__init__(
+            f"{kind} attention is not plain softmax attention over one token grid: only a target that builds a "
+            f"variant for it takes it, not {layer_cls.__name__}"
+        )
+        self.carried = carried
+
+
 class CarriedLayerOptions(TypedDict, total=False):
     """The keyword arguments of `CarriedAttentionLayer` after dim and num_heads, which every replacement layer
     passes through unchanged (`**carried: Unpack[CarriedLayerOptions]`)."""

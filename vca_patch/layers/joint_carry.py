@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from vca_patch.layers.carried import CarriedAttention
+from vca_patch.layers.carried import CarriedAttention, VariantRequired
 
 TEXT_PROJECTIONS = ("add_q_proj", "add_k_proj", "add_v_proj")
 TEXT_NORMS = {"norm_added_q": "added_q_norm", "norm_added_k": "added_k_norm"}  # diffusers name -> carry field
@@ -47,11 +47,8 @@ class CarriedJointAttention(CarriedAttention):
         return projections  # type: ignore[return-value]
 
     def instantiate(self, layer_cls: type[nn.Module], **kwargs: Any) -> nn.Module:
-        """Refused: joint attention has a builder per target (VCA: `targets.vca.builders`), not a generic one."""
-        raise TypeError(
-            f"{self.kind} attention converts to VCA only (target 'vca'), not {layer_cls.__name__}: other targets "
-            "have no exact prefix read-out for the text stream"
-        )
+        """Refused (`VariantRequired`): a target that takes joint attention builds its own variant from the carry."""
+        raise VariantRequired(self.kind, layer_cls, self)
 
 
 class NoOutputProjection(nn.Identity):
@@ -71,11 +68,8 @@ class CarriedSingleStreamAttention(CarriedAttention):
     kind: ClassVar[str] = "single-stream joint"
 
     def instantiate(self, layer_cls: type[nn.Module], **kwargs: Any) -> nn.Module:
-        """Refused: joint attention has a builder per target (VCA: `targets.vca.builders`), not a generic one."""
-        raise TypeError(
-            f"{self.kind} attention converts to VCA only (target 'vca'), not {layer_cls.__name__}: other targets "
-            "have no exact prefix read-out for the text stream"
-        )
+        """Refused (`VariantRequired`): a target that takes joint attention builds its own variant from the carry."""
+        raise VariantRequired(self.kind, layer_cls, self)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

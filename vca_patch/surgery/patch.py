@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -13,10 +14,11 @@ from torch import nn
 from vca_patch.core.errors import ConfigError, NothingToPatchError, PatchError
 from vca_patch.core.patch_state import STATE_ATTR, get_patch_state
 from vca_patch.families import AttentionSite, LayoutTracker, ModelAdapter, SkippedSite, adapter_for
+from vca_patch.layers.carried import CarriedAttention, VariantRequired
 from vca_patch.layers.carried_module import keep_block_original, restore_block_edit
 from vca_patch.layers.layout import close_scope
 from vca_patch.surgery.report import PatchedSite, PatchReport
-from vca_patch.targets import default_config
+from vca_patch.targets import CONFIG_TYPES, default_config
 from vca_patch.targets.base import TargetConfig
 from vca_patch.targets.handler import handler_for
 
@@ -73,19 +75,36 @@ def _swap(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
     return old
 
 
-def _install(adapter: ModelAdapter, model: nn.Module, path: str, new: nn.Module) -> Any:
-    """Put `new` in place of the attention at `path`; returns what `_uninstall` needs to undo it.
+def _install(adapter: ModelAdapter, model: nn.Module, path: str, new: nn.Module, target: str) -> Any:
+    """Put `new` (built for the target named `target`) in place of the attention at `path`; returns what
+    `_uninstall` needs to undo it.
 
     By default the module is swapped (the original kept on the replacement for `.to()` and unpatching). An adapter
     whose library swaps attention *implementations* inside a module it keeps (diffusers processors) defines
-    `install_replacement(model, path, new) -> saved` and `remove_replacement(model, path, saved)` instead.
+    `install_replacement(model, path, new, *, target) -> saved` and `remove_replacement(model, path, saved)`
+    instead; `target` (to name what holds the new parameters) reaches only an installer that takes it, so one
+    written before, `install_replacement(model, path, new)`, keeps working.
     """
     install = getattr(adapter, "install_replacement", None)
-    if install is not None:
-        return install(model, path, new)
-    old = _swap(model, path, new)
-    new.keep_original(old)
-    return old
+    if install is None:
+        old = _swap(model, path, new)
+        new.keep_original(old)
+        return old
+    if _takes_keyword(install, "target"):
+        return install(model, path, new, target=target)
+    return install(model, path, new)
+
+
+def _takes_keyword(fn: Any, name: str) -> bool:
+    """Whether `fn` accepts the keyword argument `name` (a parameter of that name, or **kwargs)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: call it the old way
+        return False
+    return any(
+        p.kind is p.VAR_KEYWORD or (p.name == name and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+        for p in parameters
+    )
 
 
 def _uninstall(adapter: ModelAdapter, model: nn.Module, path: str, saved: Any) -> None:
@@ -200,7 +219,7 @@ def _plan(model: nn.Module, config: TargetConfig, strict: bool):
                 replacements.pop(site.path, None)
                 block_edits.pop(site.path, None)
                 unselected.append(
-                    SkippedSite(site.path, site.class_name, f"could not build the replacement: {_error_text(error)}")
+                    SkippedSite(site.path, site.class_name, f"could not build the replacement: {_build_error(error)}")
                 )
     if not built:
         listed = "; ".join(f"{s.path}: {s.reason}" for s in unselected)
@@ -216,6 +235,22 @@ def _error_text(error: Exception) -> str:
     """One line: the exception's type and first line."""
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
+
+
+def _build_error(error: Exception) -> str:
+    """Why a replacement could not be built, one line: `_error_text`, or for a carry that refuses a generic layer
+    (`VariantRequired`) its reason and the registered targets that build a variant for it."""
+    if not isinstance(error, VariantRequired):
+        return _error_text(error)
+    targets = _variant_targets(error.carried)
+    return f"{error} ({'targets that do: ' + ', '.join(targets) if targets else 'no registered target does'})"
+
+
+def _variant_targets(carried: CarriedAttention) -> list[str]:
+    """The registered targets whose handler builds a variant of its own for `carried` (`builds_variant`)."""
+    return sorted(
+        name for name, config_cls in CONFIG_TYPES.items() if handler_for(config_cls).builds_variant(config_cls, carried)
+    )
 
 
 def _report(adapter, model, config, chosen, skipped, replacements, block_edits, params_before) -> PatchReport:
@@ -274,7 +309,7 @@ def patch_model(model: nn.Module, config: TargetConfig | None = None, *, strict:
         report = _report(adapter, model, config, chosen, skipped, replacements, block_edits, params_before)
         for path, new in replacements.items():
             new.layout_source = tracker.current
-            originals[path] = _install(adapter, model, path, new)
+            originals[path] = _install(adapter, model, path, new, config.target)
         for path, new in (item for edits in block_edits.values() for item in edits.items()):
             block_originals[path] = _swap(model, path, new)
             keep_block_original(new, block_originals[path])

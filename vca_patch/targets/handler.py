@@ -39,9 +39,10 @@ _SELECTION_FIELDS = {"target", "layers", "include", "exclude", "seed"}  # Target
 class TargetHandler:
     """The behaviour of a target, every hook with its default (see `vca_patch.targets.protocols`).
 
-    Stateless: one instance serves every config of its type, and each hook takes the config (or, for
-    `card_section`, `calibration_settings` and `cpu_kernel`, the config class) as its first argument. Subclass it,
-    override the hooks the target needs (`build_layer` at least) and register the subclass with `register_handler`.
+    Stateless: one instance serves every config of its type, and each hook takes the config (or, for the class
+    hooks `builds_variant`, `card_section`, `calibration_settings` and `cpu_kernel`, the config class) as its first
+    argument. Subclass it, override the hooks the target needs (`build_layer` at least) and register the subclass
+    with `register_handler`.
     Two instances of one handler class are equal, so registering the same class again is a no-op.
     """
 
@@ -58,6 +59,12 @@ class TargetHandler:
     def build_layer(self, config: TargetConfig, carried: CarriedAttention, layer_index: int) -> nn.Module:
         """The replacement for one attention module, reusing `carried` and initialised. Required."""
         raise NotImplementedError
+
+    def builds_variant(self, config_cls: type[TargetConfig], carried: CarriedAttention) -> bool:
+        """Whether `build_layer` builds a variant of its own for `carried`, a carry that refuses a generic layer
+        (`layers.carried.VariantRequired`: PVT spatial reduction, Swin windows, joint image + text streams). When
+        a target is refused one, surgery names the registered targets for which this says yes. Default: no."""
+        return False
 
     def layer_settings(self, config: TargetConfig, layer: nn.Module) -> dict[str, Any]:
         """JSON-safe per-layer facts recorded in reports and checkpoints."""

@@ -25,6 +25,12 @@ class SurgeryHooks(Protocol):
         initialised. Default: NotImplementedError."""
         ...
 
+    def builds_variant(self, config_cls: type, carried: Any) -> bool:
+        """Whether `build_layer` builds a variant of its own for `carried`, a carry that refuses a generic layer
+        (`VariantRequired`: hierarchical stages, joint streams); surgery names the targets that do when another is
+        refused one. Default: False."""
+        ...
+
     def layer_settings(self, config: Any, layer: nn.Module) -> dict[str, Any]:
         """JSON-safe per-layer facts recorded in reports and checkpoints. Default: {}."""
         ...
@@ -153,7 +159,8 @@ class KernelHooks(Protocol):
 HOOK_PROTOCOLS: tuple[type, ...] = (
     SurgeryHooks, CardHooks, PackingHooks, CalibrationHooks, RecipeHooks, KernelHooks,
 )  # fmt: skip
-CLASS_HOOKS = ("card_section", "calibration_settings", "cpu_kernel")  # called with the config class, not an instance
+# Called with the config class, not an instance.
+CLASS_HOOKS = ("builds_variant", "card_section", "calibration_settings", "cpu_kernel")
 
 
 def hook_names(protocol: type) -> tuple[str, ...]:

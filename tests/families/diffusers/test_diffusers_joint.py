@@ -115,7 +115,8 @@ def test_other_targets_skip_joint_attention_with_why():
     assert [s.path for s in report.patched] == ["transformer_blocks.0.attn2"]
     skipped = {s.path: s.reason for s in report.skipped}
     assert sorted(skipped) == JOINT
-    assert all("converts to VCA only" in reason for reason in skipped.values())
+    refused = "joint (image + text) attention is not plain softmax attention over one token grid: only a target that"
+    assert all(refused in reason and reason.endswith("(targets that do: vca)") for reason in skipped.values())
 
 
 # -- numerics of the patched streams ----------------------------------------------------------------------

@@ -12,7 +12,7 @@ import vca_patch
 from tests.support.hierarchical import assert_state_restored, randomise_vca, record_attend_grids
 from tests.support.models import trained_a_little
 from tests.support.reference.hierarchical import partition, reference_window_attention, reference_windowed_vca
-from vca_patch import PatchError, VCAConfig, VisualContrastAttention, patch_model, unpatch_model
+from vca_patch import NothingToPatchError, PatchError, VCAConfig, VisualContrastAttention, patch_model, unpatch_model
 from vca_patch.families.timm.swin import BlockWindowEnd, BlockWindowHook
 from vca_patch.layers.window_call import WindowCall
 from vca_patch.surgery import inspect_model, patched_layers
@@ -183,6 +183,20 @@ def test_mano_target_builds_windowed_multipole(swin):  # MANO on Swin since issu
     from vca_patch import MANOConfig
 
     assert {s.settings["mode"] for s in inspect_model(swin, MANOConfig()).patched} == {"multipole"}
+
+
+def test_a_target_without_a_window_variant_is_refused_naming_the_targets_with_one(swin):
+    """DIDB builds no window variant: every stage 1-2 site says so and names MANO and VCA, which do."""
+    from vca_patch import DIDBConfig
+
+    with pytest.raises(NothingToPatchError) as info:
+        inspect_model(swin, DIDBConfig())
+    refused = [s.reason for s in info.value.skipped if s.reason.startswith("could not build")]
+    assert len(refused) == 4  # stages 1-2; the last stage stays window attention
+    assert set(refused) == {
+        "could not build the replacement: Swin window attention is not plain softmax attention over one token "
+        "grid: only a target that builds a variant for it takes it, not DIDBAttention (targets that do: mano, vca)"
+    }
 
 
 def test_vca_core_is_the_plain_layer(swin):

@@ -18,8 +18,8 @@ from tests.support.reference.vca import reference_vca
 from vca_patch import NothingToPatchError, PatchError, VCAConfig, patch_model, unpatch_model
 from vca_patch.core.errors import ConfigError
 from vca_patch.families import adapter_for
+from vca_patch.families.timm.pvt import PAPER_MODE_NOTE
 from vca_patch.families.transformers.pvt_v1 import HFPvtV1Adapter
-from vca_patch.layers.staged_carry import PAPER_MODE_NOTE
 from vca_patch.surgery import inspect_model, patched_layers
 from vca_patch.targets.base import TargetConfig
 from vca_patch.targets.vca.reduced import SpatialReductionVCA

@@ -17,8 +17,9 @@ Every `Attention` / `AttentionModuleMixin` module is classified:
 - **already linear** (Sana's ReLU linear attention) and **unknown processors** (IP-Adapter, PAG, fused
   projections, custom): skipped, with the processor named.
 
-A site is converted by swapping its processor (`adapters.diffusers_processor.CarriedLayerProcessor`), so
-`to_q/to_k/to_v/to_out` keep their state-dict names and `unpatch_model` puts the original processor object back.
+A site is converted by swapping its processor (`processor.CarriedLayerProcessor`), so `to_q/to_k/to_v/to_out` keep
+their state-dict names and `unpatch_model` puts the original processor object back; the replacement's new parameters
+live in a child of the attention module named for the target (`attn.vca.…`, `attn.mano.…`: `processor.holder_name`).
 diffusers is imported only when a diffusers model is seen (optional extra `vca-patch[diffusers]`).
 """
 
@@ -50,9 +51,9 @@ from vca_patch.families.diffusers.guard import ARCHITECTURES, check_diffusers_ba
 from vca_patch.families.diffusers.joint import carry_joint, joint_structure_problem, joint_verification_error
 from vca_patch.families.diffusers.library import DIFFUSERS
 from vca_patch.families.diffusers.processor import (
-    NEW_PARAMETERS,
     CarriedLayerProcessor,
     JointLayerProcessor,
+    holder_name,
     new_members,
 )
 from vca_patch.families.diffusers.source import SOURCE
@@ -203,8 +204,10 @@ class DiffusersDiTAdapter(ModelAdapter):
 
     @classmethod
     def new_parameters(cls, module: nn.Module) -> nn.Module | None:
-        """The child `NEW_PARAMETERS` that `install_replacement` adds to a converted attention module."""
-        return module._modules.get(NEW_PARAMETERS)
+        """The child that `install_replacement` added to a converted attention module (named for the target, as its
+        processor records); None for a module this adapter did not convert."""
+        processor = getattr(module, "processor", None)
+        return module._modules.get(processor.holder) if isinstance(processor, CarriedLayerProcessor) else None
 
     def find_sites(self, model: nn.Module) -> tuple[list[AttentionSite], list[SkippedSite]]:
         attention_types = _attention_types()
@@ -296,11 +299,13 @@ class DiffusersDiTAdapter(ModelAdapter):
 
     # -- processor swap (see surgery.patch: adapters that install replacements themselves) -------------------
 
-    def install_replacement(self, model: nn.Module, path: str, layer: nn.Module) -> Any:
-        """Make `layer` the processor of the attention at `path`; returns the original processor."""
+    def install_replacement(self, model: nn.Module, path: str, layer: nn.Module, *, target: str | None = None) -> Any:
+        """Make `layer` the processor of the attention at `path`, its new parameters in the child named for
+        `target` (`holder_name`: `vca`, `mano`, ...); returns the original processor."""
         attn = model.get_submodule(path)
-        if NEW_PARAMETERS in attn._modules:
-            raise ValueError(f"{path} already has a child {NEW_PARAMETERS!r}")
+        holder = holder_name(target)
+        if hasattr(attn, holder):
+            raise ValueError(f"{path} already has {holder!r}: it cannot hold target {target!r}'s new parameters")
         sources = {name: name for name in _QKV}
         single = getattr(layer, "single_stream", False)  # no to_out: the layer keeps its own Identity
         if not single:
@@ -322,15 +327,17 @@ class DiffusersDiTAdapter(ModelAdapter):
                 processor_type = FluxSingleLayerProcessor if single else FluxJointLayerProcessor
                 layer.__dict__["rotary_embed"] = model.pos_embed  # FluxPosEmbed (no tensors): centre rotations
         original = attn.processor
-        attn.add_module(NEW_PARAMETERS, new_members(layer, attn))
-        attn.set_processor(processor_type(layer, sources, original))
+        attn.add_module(holder, new_members(layer, attn))
+        attn.set_processor(processor_type(layer, sources, original, holder))
         return original
 
     def remove_replacement(self, model: nn.Module, path: str, original: Any) -> None:
-        """Put the original processor object back and drop the new parameters."""
+        """Put the original processor object back and drop the new parameters (the holder the processor names)."""
         attn = model.get_submodule(path)
+        processor = attn.processor
         attn.set_processor(original)
-        attn._modules.pop(NEW_PARAMETERS, None)
+        if isinstance(processor, CarriedLayerProcessor):
+            attn._modules.pop(processor.holder, None)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ diffusers attention modules delegate their computation to a swappable *processor
 (`attn.set_processor(...)`), so a patch swaps the processor, never the module: `to_q`/`to_k`/`to_v`/`to_out`
 (and `norm_q`/`norm_k`) stay where they are, under their state-dict names. The replacement layer (VCA, MANO, ...)
 lives on the processor, outside the module tree; its *new* parameters are registered on the attention module as
-the child `vca` (`NEW_PARAMETERS`), so they are saved, loaded, moved and trained with the model. Before every call
+a child named for the target (`vca`, `mano`, ...: `holder_name`), so they are saved, loaded, moved and trained with
+the model, and a state dict says which target they belong to (`attn.vca.…`, `attn.mano.…`). Before every call
 the processor re-binds the layer to what the attention module holds then (parameters replaced by
 `load_state_dict(assign=True)`, a LoRA wrapper around `to_q`, a deep copy), so nothing is cached stale.
 `JointLayerProcessor` does the same for joint image + text attention (SD3), returning both streams.
@@ -12,6 +13,7 @@ the processor re-binds the layer to what the attention module holds then (parame
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -19,7 +21,15 @@ from torch import nn
 
 from vca_patch.layers.layout import TokenLayout
 
-NEW_PARAMETERS = "vca"  # child of the attention module holding the replacement's new parameters (any target)
+# The holder's name where the installer names no target (a caller written before holders were named for their
+# target), and the name every target's holder had before: checkpoints may still hold `attn.vca.…` for any target.
+DEFAULT_HOLDER = "vca"
+
+
+def holder_name(target: str | None) -> str:
+    """The child of a converted attention module that holds the replacement's new parameters: the target's name
+    (`vca`, `mano`, ...) as a module name (other characters than letters, digits and `_` become `_`)."""
+    return re.sub(r"\W", "_", target) if target else DEFAULT_HOLDER
 
 
 def new_members(layer: nn.Module, attention: nn.Module) -> nn.Module:
@@ -43,18 +53,21 @@ class CarriedLayerProcessor:
 
     `sources` maps the layer's carried member names to module paths inside the attention module
     (e.g. {"to_q": "to_q", "proj": "to_out.0", "q_norm": "norm_q"}); `original` is the processor it replaced,
-    kept for `unpatch_model`. The call convention is diffusers' (`attn, hidden_states, ...`) plus an optional
+    kept for `unpatch_model`; `holder` is the attention module's child holding the layer's new parameters
+    (`holder_name`). The call convention is diffusers' (`attn, hidden_states, ...`) plus an optional
     `layout=` for calling one attention module on its own. Cross-attention inputs and attention masks are
     refused: the layer is a self-attention over the image tokens. A processor for other streams overrides
     `check_streams` and `run` (and `__call__` for another call convention, as Flux's).
     """
 
     token_kind = "tokens"  # what `hidden_states` holds, as call errors name it
+    holder = DEFAULT_HOLDER  # set per instance in __init__; the class default serves one unpickled from before
 
-    def __init__(self, layer: nn.Module, sources: dict[str, str], original: Any) -> None:
+    def __init__(self, layer: nn.Module, sources: dict[str, str], original: Any, holder: str = DEFAULT_HOLDER) -> None:
         self.layer = layer
         self.sources = dict(sources)
         self.original = original
+        self.holder = holder
 
     def owner(self, attn: nn.Module) -> str:
         """How call errors name this processor: its layer and the attention module it was patched into."""
@@ -73,9 +86,9 @@ class CarriedLayerProcessor:
             member = attn.get_submodule(path)
             if modules.get(name) is not member:
                 modules[name] = member
-        new = attn._modules.get(NEW_PARAMETERS)
+        new = attn._modules.get(self.holder)
         if new is None:
-            raise RuntimeError(f"{type(attn).__name__} has lost its `{NEW_PARAMETERS}` parameters; re-patch the model")
+            raise RuntimeError(f"{type(attn).__name__} has lost its `{self.holder}` parameters; re-patch the model")
         for name, param in new._parameters.items():
             if layer._parameters.get(name) is not param:
                 layer._parameters[name] = param

@@ -21,10 +21,15 @@ from vca_patch.families.timm.staged import TimmStagedAdapter
 from vca_patch.families.verify import Probe, eval_mode, on_meta, record_verdict, relative_error
 from vca_patch.layers.layout import TokenLayout
 from vca_patch.layers.q_kv_view import QAndKV
-from vca_patch.layers.staged_carry import PAPER_MODE_NOTE, CarriedReductionAttention
+from vca_patch.layers.staged_carry import CarriedReductionAttention
 
 _RECORDED_ARGS = ("num_classes", "global_pool")
 LINEAR_ATTENTION_REASON = "linear attention already (keys pooled to 7x7): nothing for VCA to make linear"
+# The site note of a replacement that dropped the spatial reduction (`note_dropped_reduction`).
+PAPER_MODE_NOTE = (
+    "pvt_mode='paper': spatial reduction (conv + LayerNorm) dropped, global VCA over the full-resolution keys "
+    "(kv reads the block input, not the reduced grid it was trained on: fine-tune)"
+)
 
 
 def _is_pvt_v2(model: nn.Module) -> bool:

@@ -26,6 +26,10 @@ class MANOHandler(TargetHandler):
         mano.reset_mano_parameters(config.init)
         return mano
 
+    def builds_variant(self, config_cls: type[MANOConfig], carried: CarriedAttention) -> bool:
+        """MANO builds its own layer for Swin/SwinV2 window attention (level 0 the block's windows) only."""
+        return isinstance(carried, CarriedWindowAttention)
+
     def layer_settings(self, config: MANOConfig, layer: MultipoleAttention) -> dict[str, Any]:
         settings = {
             "window": layer.window,

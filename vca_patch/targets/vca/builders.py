@@ -25,6 +25,12 @@ from vca_patch.targets.vca.windowed import WindowedVCA
 
 VCABuilder = Callable[..., nn.Module]  # (carried, mode, **layer settings) -> the VCA layer
 VCA_BUILDERS: dict[type[CarriedAttention], VCABuilder] = {}
+# The VCAConfig field that picks the conversion mode of a carry class (and its subclasses): PVT's spatial reduction
+# kept or dropped, Swin's windows kept beside a global branch or replaced. Carries not named here have one mode.
+MODE_FIELDS: dict[type[CarriedAttention], str] = {
+    CarriedReductionAttention: "pvt_mode",
+    CarriedWindowAttention: "swin_mode",
+}
 
 
 def register_vca_builder(carry_cls: type[CarriedAttention]) -> Callable[[VCABuilder], VCABuilder]:
@@ -37,6 +43,17 @@ def register_vca_builder(carry_cls: type[CarriedAttention]) -> Callable[[VCABuil
     return wrap
 
 
+def builds_variant(carried: CarriedAttention) -> bool:
+    """Whether VCA has a builder of its own for `carried`'s class (along its MRO): a variant for an attention that
+    is not plain softmax attention over one token grid (hierarchical stages, joint image + text streams)."""
+    return any(cls in VCA_BUILDERS for cls in type(carried).__mro__)
+
+
+def mode_field(carried: CarriedAttention) -> str | None:
+    """The VCAConfig field that picks `carried`'s conversion mode (`MODE_FIELDS`, along its MRO), else None."""
+    return next((MODE_FIELDS[cls] for cls in type(carried).__mro__ if cls in MODE_FIELDS), None)
+
+
 def build_vca(carried: CarriedAttention, mode: str | None, **settings: Any) -> nn.Module:
     """The VCA layer for `carried`: its class's builder (nearest along the MRO), else plain single-grid VCA."""
     for cls in type(carried).__mro__:
@@ -47,6 +64,9 @@ def build_vca(carried: CarriedAttention, mode: str | None, **settings: Any) -> n
 
 @register_vca_builder(CarriedReductionAttention)
 def _build_reduction(carried: CarriedReductionAttention, mode: str | None, **kwargs: Any) -> SpatialReductionVCA:
+    """`pvt_mode` "carry" keeps the reduction (exact carry: Stage I over the reduced keys); "paper" drops it (the
+    paper's placement: global VCA over the full-resolution keys, `kv` then reads the block input instead of the
+    reduced grid it was trained on: approximate, the family notes it)."""
     if mode not in (None, "carry", "paper"):
         raise ValueError(f"pvt_mode must be 'carry' or 'paper', got {mode!r}")
     layer = carried.instantiate_staged(SpatialReductionVCA, **kwargs)

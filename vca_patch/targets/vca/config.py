@@ -10,12 +10,21 @@ from typing import ClassVar
 from vca_patch.core.errors import ConfigError
 from vca_patch.core.sizes import check_contrast_tokens
 from vca_patch.layers.carried import CarriedAttention
-from vca_patch.layers.staged_carry import StagedCarriedAttention, default_stage_contrast_tokens
+from vca_patch.layers.staged_carry import StagedCarriedAttention
 from vca_patch.targets.base import RecipeOptions, TargetConfig, is_int, register_target
 from vca_patch.targets.vca import card
 from vca_patch.targets.vca import recipe as recipe_keys
 from vca_patch.targets.vca.calibrate import VCACalibration
 from vca_patch.targets.vca.neighbourhood import is_local_window
+
+# VCA's contrast tokens per stage of a hierarchical model (PVT, Swin) where `stage_contrast_tokens` gives none: the
+# paper's lab (Agent Attention) uses n = 3², 4², 7², 7² in stages 1-4; later stages take the last entry.
+DEFAULT_STAGE_CONTRAST_TOKENS = (9, 16, 49, 49)
+
+
+def default_stage_contrast_tokens(stage: int) -> int:
+    """n for 0-based `stage` of a hierarchical model (`DEFAULT_STAGE_CONTRAST_TOKENS`, the last beyond it)."""
+    return DEFAULT_STAGE_CONTRAST_TOKENS[min(stage, len(DEFAULT_STAGE_CONTRAST_TOKENS) - 1)]
 
 
 @register_target
@@ -46,7 +55,8 @@ class VCAConfig(TargetConfig):
             without it. Single-grid ViTs only.
         layer_contrast_tokens: per-block overrides of contrast_tokens, {block index: n}.
         stage_contrast_tokens: n per stage of a hierarchical model (PVT, Swin), [stage 1, stage 2, ...]; None: the
-            family default 9/16/49/49 (the paper's lab). contrast_tokens applies to single-grid ViTs only.
+            default 9/16/49/49 (the paper's lab, `DEFAULT_STAGE_CONTRAST_TOKENS`). contrast_tokens applies to
+            single-grid ViTs only.
         swin_mode: how Swin/SwinV2 window attention converts: "residual" (window attention kept, its bias/CPB and
             shift mask included, plus a zero-gated global VCA branch; exact at init) or "global" (global VCA on the
             stage's grid; approximate). SwinV2's cosine attention stays cosine (normalised queries pooled).
@@ -154,7 +164,7 @@ class VCAConfig(TargetConfig):
 
     def contrast_grid_for(self, layer_index: int, carried: CarriedAttention | None = None) -> tuple[int, int]:
         """(h, w) of block `layer_index`'s contrast tokens: layer_contrast_tokens, else (a hierarchical stage's
-        `carried`) stage_contrast_tokens or the family's default for the stage, else contrast_tokens."""
+        `carried`) stage_contrast_tokens or VCA's default for the stage, else contrast_tokens."""
         n = self.contrast_tokens
         if isinstance(carried, StagedCarriedAttention):
             stages = self.stage_contrast_tokens

@@ -14,7 +14,7 @@ from vca_patch.layers.staged_carry import StagedCarriedAttention
 from vca_patch.targets.handler import TargetHandler, register_handler
 from vca_patch.targets.vca import calibrate as calibration
 from vca_patch.targets.vca import card, fused_cpu, training
-from vca_patch.targets.vca.builders import build_vca
+from vca_patch.targets.vca.builders import build_vca, builds_variant, mode_field
 from vca_patch.targets.vca.config import VCAConfig
 from vca_patch.targets.vca.layer import VisualContrastAttention
 
@@ -42,12 +42,16 @@ class VCAHandler(TargetHandler):
                     "image + text attention (SD3, Flux)"
                 )
             settings["local_window"] = config.local_window
-        mode_option = getattr(carried, "mode_option", None)  # a hierarchical stage's conversion mode field
-        vca = build_vca(carried, getattr(config, mode_option) if mode_option else None, **settings)
+        option = mode_field(carried)  # the field picking a hierarchical stage's conversion mode: pvt_mode, swin_mode
+        vca = build_vca(carried, getattr(config, option) if option else None, **settings)
         vca.reset_vca_parameters(config.init)
         if hasattr(vca, "rope_contrast"):  # joint attention that may get a rotary embedding (Flux)
             vca.rope_contrast = config.rope_contrast
         return vca
+
+    def builds_variant(self, config_cls: type[VCAConfig], carried: CarriedAttention) -> bool:
+        """VCA builds a variant for every carry class it has a builder for (`builders.VCA_BUILDERS`)."""
+        return builds_variant(carried)
 
     def layer_settings(self, config: VCAConfig, layer: VisualContrastAttention) -> dict[str, Any]:
         settings = {"contrast_tokens": layer.num_contrast_tokens, "lambda_init": layer.lambda_init}
