@@ -19,7 +19,7 @@ from vca_patch.cli.common import check_model_sizes, console, err_console, prepar
 from vca_patch.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from vca_patch.cli.convert import ConvertArgs
+    from vca_patch.cli.convert_args import ConvertArgs
     from vca_patch.planner.speedup import Recover, SpeedupReport
 
 PLAN_IMAGES = 8  # calibration images the planner reads unless --calibration-images is given (as `vca-patch plan`)

@@ -17,12 +17,20 @@ from typing import Any
 from vca_patch.targets.protocols import CLASS_HOOKS, HOOKS, PACKED_FORM_HOOKS
 
 
-def _inherited_handler(owner: Any) -> Any:
-    """The handler a forwarder calls: imported on use, since the handler module imports `targets.base`, whose
-    `TargetConfig` derives from the class below."""
-    from vca_patch.targets.handler import inherited_handler
+_HANDLER_LOOKUP: list[Callable[[Any], Any]] = []  # set by `targets.handler` when it loads (`use_handler_lookup`)
 
-    return inherited_handler(owner)
+
+def use_handler_lookup(lookup: Callable[[Any], Any]) -> None:
+    """Called once by `vca_patch.targets.handler`: how a forwarder finds its config's handler. Given, not imported:
+    the handler module imports `targets.base`, whose `TargetConfig` derives from the class below."""
+    _HANDLER_LOOKUP[:] = [lookup]
+
+
+def _inherited_handler(owner: Any) -> Any:
+    """The handler a forwarder calls (`handler.inherited_handler`)."""
+    if not _HANDLER_LOOKUP:  # only before vca_patch.targets has finished loading
+        raise RuntimeError("vca_patch.targets.handler is not loaded yet: import vca_patch.targets first")
+    return _HANDLER_LOOKUP[0](owner)
 
 
 def _warn(owner_cls: type, name: str, first: str) -> None:

@@ -31,6 +31,7 @@ from vca_patch.core.errors import ConfigError
 from vca_patch.core.registry import Registry, RegistryError
 from vca_patch.layers.carried import CarriedAttention
 from vca_patch.targets.base import TargetConfig, target_display_name
+from vca_patch.targets.forwarders import use_handler_lookup
 from vca_patch.targets.protocols import HOOKS, PACKED_FORM_HOOKS
 
 _SELECTION_FIELDS = {"target", "layers", "include", "exclude", "seed"}  # TargetConfig's own fields (and the key)
@@ -353,3 +354,6 @@ def inherited_handler(config: TargetConfig | type[TargetConfig]) -> TargetHandle
     `TargetConfig` call, so that a config's own hook that calls `super()` reaches the defaults, not itself."""
     handler = handler_for(config)
     return handler.inherited() if isinstance(handler, LegacyConfigHandler) else handler
+
+
+use_handler_lookup(inherited_handler)  # the deprecated forwarders on TargetConfig call handlers through it
