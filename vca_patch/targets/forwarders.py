@@ -16,7 +16,6 @@ from typing import Any
 
 from vca_patch.targets.protocols import CLASS_HOOKS, HOOKS, PACKED_FORM_HOOKS
 
-
 _HANDLER_LOOKUP: list[Callable[[Any], Any]] = []  # set by `targets.handler` when it loads (`use_handler_lookup`)
 
 

@@ -223,7 +223,7 @@ def test_float32_inference_paths_match_float64_reference(batch, num_prefix, kern
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 def test_fused_conv_add_kernel_is_taken_and_exact():
-    from vca_patch.layers.local_conv import _fused_kernel_usable, add_conv_
+    from vca_patch.targets.vca.local_conv import _fused_kernel_usable, add_conv_
 
     conv = torch.nn.Conv2d(16, 16, 3, padding=1, groups=16)
     tokens = torch.randn(1, 1 + 35, 16)  # one prefix row, then a 5x7 grid

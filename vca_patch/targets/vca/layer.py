@@ -36,10 +36,10 @@ from vca_patch.layers.carried import CarriedAttentionLayer, CarriedLayerOptions
 from vca_patch.layers.fused_qkv import qkv_linears, qkv_projections, query_projection
 from vca_patch.layers.grid_pool import adaptive_avg_pool_tokens
 from vca_patch.layers.layout import TokenLayout
-from vca_patch.layers.local_conv import add_conv_
 from vca_patch.layers.sdpa import scaled_dot_product_attention
 from vca_patch.targets.vca import fused_cpu
 from vca_patch.targets.vca.differential_lambda import DifferentialLambda, lambda_init_for_depth
+from vca_patch.targets.vca.local_conv import add_conv_
 from vca_patch.targets.vca.neighbourhood import is_local_window, neighbourhood_attention
 
 if TYPE_CHECKING:
