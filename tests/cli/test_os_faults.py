@@ -125,6 +125,25 @@ def test_a_folder_without_write_permission_is_one_line(tmp_path):
     assert list(locked.iterdir()) == []
 
 
+SETPRIV = "/usr/bin/setpriv"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SETPRIV), reason="root with util-linux's setpriv only")
+def test_a_folder_without_write_permission_is_one_line_for_root_without_dac_override(tmp_path):
+    """As root, the real EACCES: the command runs without the capabilities that let root write anywhere."""
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    command = [SETPRIV, "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-m", "vca_patch",
+               *CONVERT, "-o", str(locked / "out")]  # fmt: skip
+    try:
+        result = subprocess.run(command, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        locked.chmod(0o700)
+    errors = _error_lines(result.stderr)
+    assert result.returncode == 2 and len(errors) == 1 and "not writable" in errors[0], result.stderr
+    assert list(locked.iterdir()) == []
+
+
 class _FailingStream(io.StringIO):
     """A standard output whose writes fail with `code` (a closed pipe, a full device)."""
 
