@@ -4,6 +4,7 @@
     python benchmarks/front.py --sizes 518 --recover-steps 60   # + the VCA rows after recovery
     python benchmarks/front.py --sizes 1036 --budgets --rows "VCA local 7 + calibrate" --recover-steps 150
     python benchmarks/front.py --quick                  # seconds: a tiny random-weight ViT (tests)
+    python benchmarks/front.py --replot results/front.json results/front_518_planner.json   # one plot of runs
 
 For each resolution, on one machine and in one process:
 
@@ -361,11 +362,36 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cache", type=Path, help="keep calibrated models, plans and fidelity here (resumable)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for the JSON / MD / PNG")
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        nargs="+",
+        help="measure nothing: plot these runs' rows as one front "
+        "(a row of a later file replaces the same row of an earlier one) into RESULTS/front.png",
+    )
     return parser.parse_args(argv)
+
+
+def merged_runs(paths: list[Path]) -> dict[str, Any]:
+    """The first run's record with every later run's rows laid over it, size by size (a size only a later run has
+    is taken whole): the planner's rows of runs made apart join the front's full run."""
+    merged = json.loads(paths[0].read_text())
+    for path in paths[1:]:
+        for size, result in json.loads(path.read_text())["sizes"].items():
+            if size in merged["sizes"]:
+                merged["sizes"][size]["rows"].update(result["rows"])
+            else:
+                merged["sizes"][size] = result
+    return merged
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
+    if args.replot:
+        results = merged_runs(args.replot)
+        plot(results, args.results / "front.png")
+        print(markdown(results))
+        return results
     settings = dict(QUICK if args.quick else FULL)
     for key in ("sizes", "budgets", "eval_crops", "calibration", "min_time", "plan_images"):
         if getattr(args, key) is not None:

@@ -55,3 +55,25 @@ def test_chosen_rows_recovered_at_another_size_and_resumed_from_the_cache(tmp_pa
     assert first["VCA local 7 + calibrate + recovery"]["cls_cosine"] != first["VCA local 7 + calibrate"]["cls_cosine"]
     again = _module().main(argv)["sizes"]["56"]["rows"]
     assert again["VCA local 7 + calibrate + recovery"]["recovery"] == recovery  # from the cache, not trained again
+
+
+def test_replot_lays_later_runs_rows_over_the_first(tmp_path):
+    def run(name: str, sizes: dict) -> object:
+        path = tmp_path / name
+        path.write_text(json.dumps({"sizes": sizes}))
+        return path
+
+    def size(rows: dict) -> dict:
+        load = {"before": [1.0, 1.0, 1.0], "after": [1.0, 1.0, 1.0]}
+        return {"tokens": 17, "original_ms": 1.0, "held_out_images": 2, "load_average": load, "floor": 0.5,
+                "rows": rows}  # fmt: skip
+
+    def row(kind: str, ratio: float) -> dict:
+        return {"kind": kind, "latency_ratio": ratio, "cls_cosine": 0.9, "patch_token_cosine": 0.8}
+
+    full = run("full.json", {"56": size({"merging": row("merge", 0.6), "planner 0.5x": row("plan", 0.55)})})
+    apart = run("apart.json", {"56": size({"planner 0.5x": row("plan", 0.45)}), "112": size({"x": row("vca", 1)})})
+    merged = _module().main(["--replot", str(full), str(apart), "--results", str(tmp_path)])
+    assert merged["sizes"]["56"]["rows"]["planner 0.5x"]["latency_ratio"] == 0.45  # the later run's row
+    assert merged["sizes"]["56"]["rows"]["merging"]["latency_ratio"] == 0.6 and set(merged["sizes"]) == {"56", "112"}
+    assert (tmp_path / "front.png").stat().st_size > 0
