@@ -29,6 +29,11 @@ def _numbers(text: str, kind: type, name: str) -> list:
         fail(f"{name} must be a comma-separated list of numbers, got {text!r}", 2)
 
 
+def _numbers_or_none(text: str, kind: type, name: str) -> list:
+    """`_numbers`, with 'none' (any case) for no candidates of that kind."""
+    return [] if text.strip().lower() == "none" else _numbers(text, kind, name)
+
+
 def plan_table(result: PlanResult) -> Table:
     """One row per block: attention, tokens merged after it, tokens entering it."""
     chosen = result.chosen
@@ -182,16 +187,10 @@ def plan(**options: Any) -> None:
 
 def _search_space(args: PlanArgs) -> dict[str, Any]:
     """The candidates to weigh per block, from the options; a bad budget, count or mode refused before any work."""
-    ns = (
-        []
-        if args.contrast_tokens.strip().lower() == "none"
-        else _numbers(args.contrast_tokens, int, "--contrast-tokens")
-    )
-    windows = args.mano_windows.strip().lower()
-    ks = [] if windows in ("", "none") else _numbers(args.mano_windows, int, "--mano-windows")
+    ns = _numbers_or_none(args.contrast_tokens, int, "--contrast-tokens")
+    ks = _numbers_or_none(args.mano_windows, int, "--mano-windows")
     fractions = _numbers(args.merge_fractions, float, "--merge-fractions")
-    leads_text = args.merge_leads.strip().lower()
-    leads = [] if leads_text in ("", "none") else _numbers(leads_text, float, "--merge-leads")
+    leads = _numbers_or_none(args.merge_leads, float, "--merge-leads")
     if not args.budget > 0:
         raise PlanError(f"--budget must be a positive latency ratio (e.g. 0.5), got {args.budget}")
     if args.images < 1 or args.eval_images < 0:

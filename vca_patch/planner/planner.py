@@ -469,6 +469,7 @@ def _checked_options(
     objective: str,
     unmerge: str,
     merge_fractions: Sequence[float],
+    merge_leads: Sequence[float],
     mano_windows: Sequence[int],
     local_window: int,
 ) -> str:
@@ -482,6 +483,8 @@ def _checked_options(
         raise PlanError(f"calibration images must be [B, 3, {resolution}, {resolution}], got {tuple(images.shape)}")
     if any(not 0 < f <= MAX_MERGE_FRACTION for f in merge_fractions):
         raise PlanError(f"merge fractions must lie in (0, {MAX_MERGE_FRACTION:g}], got {list(merge_fractions)}")
+    if any(isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= 0.5 for s in merge_leads):
+        raise PlanError(f"merge leads must lie in (0, 0.5] (a share of the patch tokens), got {list(merge_leads)}")
     if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in mano_windows):
         raise PlanError(f"MANO windows must be positive integers (window side k), got {list(mano_windows)}")
     try:
@@ -700,10 +703,8 @@ def plan_model(
     finalist costs one recovery).
     """
     log = log or (lambda message: None)
-    unmerge = _checked_options(images, budget, resolution, objective, unmerge, merge_fractions, mano_windows,
-                               local_window)  # fmt: skip
-    if any(isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= 0.5 for s in merge_leads):
-        raise PlanError(f"merge leads must lie in (0, 0.5] (a share of the patch tokens), got {list(merge_leads)}")
+    unmerge = _checked_options(images, budget, resolution, objective, unmerge, merge_fractions, merge_leads,
+                               mano_windows, local_window)  # fmt: skip
     info = model_info(model)
     info.grid(resolution)
     starts = sorted(set(merge_starts if merge_starts is not None else range(0, info.depth, max(1, info.depth // 4))))

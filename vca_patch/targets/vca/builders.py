@@ -6,7 +6,7 @@ builder here gets the plain single-grid `VisualContrastAttention`."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -23,6 +23,7 @@ from vca_patch.targets.vca.layer import VisualContrastAttention
 from vca_patch.targets.vca.reduced import SpatialReductionVCA
 from vca_patch.targets.vca.windowed import WindowedVCA
 
+T = TypeVar("T")
 VCABuilder = Callable[..., nn.Module]  # (carried, mode, **layer settings) -> the VCA layer
 VCA_BUILDERS: dict[type[CarriedAttention], VCABuilder] = {}
 # The VCAConfig field that picks the conversion mode of a carry class (and its subclasses): PVT's spatial reduction
@@ -43,22 +44,27 @@ def register_vca_builder(carry_cls: type[CarriedAttention]) -> Callable[[VCABuil
     return wrap
 
 
+def _nearest(table: dict[type[CarriedAttention], T], carried: CarriedAttention) -> T | None:
+    """`table`'s entry for `carried`'s class or the nearest base along its MRO, else None."""
+    return next((table[cls] for cls in type(carried).__mro__ if cls in table), None)
+
+
 def builds_variant(carried: CarriedAttention) -> bool:
     """Whether VCA has a builder of its own for `carried`'s class (along its MRO): a variant for an attention that
     is not plain softmax attention over one token grid (hierarchical stages, joint image + text streams)."""
-    return any(cls in VCA_BUILDERS for cls in type(carried).__mro__)
+    return _nearest(VCA_BUILDERS, carried) is not None
 
 
 def mode_field(carried: CarriedAttention) -> str | None:
     """The VCAConfig field that picks `carried`'s conversion mode (`MODE_FIELDS`, along its MRO), else None."""
-    return next((MODE_FIELDS[cls] for cls in type(carried).__mro__ if cls in MODE_FIELDS), None)
+    return _nearest(MODE_FIELDS, carried)
 
 
 def build_vca(carried: CarriedAttention, mode: str | None, **settings: Any) -> nn.Module:
     """The VCA layer for `carried`: its class's builder (nearest along the MRO), else plain single-grid VCA."""
-    for cls in type(carried).__mro__:
-        if cls in VCA_BUILDERS:
-            return VCA_BUILDERS[cls](carried, mode, **settings)
+    builder = _nearest(VCA_BUILDERS, carried)
+    if builder is not None:
+        return builder(carried, mode, **settings)
     return VisualContrastAttention.from_carried(carried, **settings)
 
 
