@@ -3,11 +3,19 @@ replacements take their grid (and windows) from their block's call, and how each
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
 from vca_patch.families.base import AttentionSite, ModelAdapter, attention_dropout_note
+
+
+class StageFacts(NamedTuple):
+    """What a staged site's carry needs: its stage, the report's settings and the stage's token grid (H, W)."""
+
+    stage: int
+    settings: dict[str, Any]
+    grid: tuple[int, int] | None
 
 
 class StagedAdapter(ModelAdapter):
@@ -17,12 +25,21 @@ class StagedAdapter(ModelAdapter):
     layers_run_alone = False  # grid/windows come from block hooks
 
     def __init__(self) -> None:
-        self._stages: dict[str, tuple[int, dict[str, Any]]] = {}  # site path -> (stage, report settings)
+        self._stages: dict[str, StageFacts] = {}  # site path -> its stage, report settings and grid
 
     def staged_site(
-        self, path: str, attn: nn.Module, index: int, dim: int, num_heads: int, stage: int, settings: dict[str, Any]
+        self,
+        path: str,
+        attn: nn.Module,
+        index: int,
+        dim: int,
+        num_heads: int,
+        stage: int,
+        settings: dict[str, Any],
+        grid: tuple[int, int] | None = None,
     ) -> AttentionSite:
-        """The site of `attn` (noting attention dropout, which VCA drops), its stage and report settings kept."""
-        self._stages[path] = (stage, settings)
+        """The site of `attn` (noting attention dropout, which VCA drops), its stage, report settings and token grid
+        (H, W) at the model's input size kept for its carry."""
+        self._stages[path] = StageFacts(stage, settings, None if grid is None else (int(grid[0]), int(grid[1])))
         notes = list(filter(None, [attention_dropout_note(attn)]))
         return AttentionSite(path, attn, index, dim, num_heads, notes)

@@ -21,14 +21,16 @@ from vca_patch.layers.carried import CarriedAttention, VariantRequired
 class StagedCarriedAttention(CarriedAttention):
     """Carried weights of one hierarchical-stage attention; a target that takes it builds its variant from it.
 
-    `settings` are the report's per-layer facts (stage, mode, grid used at the native input size); `kind` is how
-    errors name this attention.
+    `settings` are the report's per-layer facts (stage, mode, grid used at the native input size); `grid` is the
+    stage's token grid (H, W) at the model's input size, where the family knows it, so a target can check what it
+    pools there (e.g. VCA's contrast tokens); `kind` is how errors name this attention.
     """
 
     kind: ClassVar[str] = "hierarchical-stage"
 
     stage: int = 0
     settings: dict[str, Any] = field(default_factory=dict)
+    grid: tuple[int, int] | None = None
 
     def instantiate(self, layer_cls: type[nn.Module], **kwargs: Any) -> nn.Module:
         """Refused (`VariantRequired`): only a target's own variant (`instantiate_staged`) takes a stage."""

@@ -132,7 +132,7 @@ class TimmPVTAdapter(TimmStagedAdapter):
                     skipped.append(SkippedSite(path, type(attn).__name__, LINEAR_ATTENTION_REASON))
                 else:
                     settings = {"stage": i, "grid": stage_grid_text(grid, attn.sr)}
-                    sites.append(self.staged_site(path, attn, index, attn.dim, attn.num_heads, i, settings))
+                    sites.append(self.staged_site(path, attn, index, attn.dim, attn.num_heads, i, settings, grid))
                 index += 1
         return sites, skipped
 
@@ -141,10 +141,10 @@ class TimmPVTAdapter(TimmStagedAdapter):
 
     def carry(self, site: AttentionSite) -> CarriedReductionAttention:
         attn = site.module
-        stage, settings = self._stages[site.path]
+        stage, settings, grid = self._stages[site.path]
         return CarriedReductionAttention(
             qkv=QAndKV(attn), proj=attn.proj, num_heads=attn.num_heads, head_dim=attn.head_dim,
-            proj_drop=attn.proj_drop, stage=stage, settings=settings, sr=attn.sr, reduction_norm=attn.norm,
+            proj_drop=attn.proj_drop, stage=stage, settings=settings, grid=grid, sr=attn.sr, reduction_norm=attn.norm,
         )  # fmt: skip
 
     def adapt_call(self, replacement: nn.Module, site: AttentionSite) -> None:

@@ -131,7 +131,10 @@ class TimmSwinAdapter(TimmStagedAdapter):
                     skipped.append(SkippedSite(path, type(attn).__name__, LAST_STAGE_REASON))
                 else:
                     settings = {"stage": i, "grid": list(block.input_resolution), "window": list(block.window_size)}
-                    sites.append(self.staged_site(path, attn, index, attn.qkv.in_features, attn.num_heads, i, settings))
+                    grid = tuple(block.input_resolution)
+                    sites.append(
+                        self.staged_site(path, attn, index, attn.qkv.in_features, attn.num_heads, i, settings, grid)
+                    )
                 index += 1
         return sites, skipped
 
@@ -140,19 +143,20 @@ class TimmSwinAdapter(TimmStagedAdapter):
 
     def carry(self, site: AttentionSite) -> CarriedWindowAttention:
         attn = site.module
-        stage, settings = self._stages[site.path]
+        stage, settings, grid = self._stages[site.path]
         if hasattr(attn, "logit_scale"):  # SwinV2: qkv + q_bias/v_bias, cosine attention, CPB
             qkv = attn.qkv if attn.q_bias is None else QKVWithSeparateBias(attn)
             return CarriedCosineWindowAttention(
                 qkv=qkv, proj=attn.proj, num_heads=attn.num_heads,
                 head_dim=attn.qkv.out_features // 3 // attn.num_heads, proj_drop=attn.proj_drop, stage=stage,
-                settings=settings, logit_scale=attn.logit_scale, position_mlp=attn.cpb_mlp,
+                settings=settings, grid=grid, logit_scale=attn.logit_scale, position_mlp=attn.cpb_mlp,
                 coords_table=attn.relative_coords_table, position_index=attn.relative_position_index,
             )  # fmt: skip
         return CarriedWindowAttention(
             qkv=attn.qkv, proj=attn.proj, num_heads=attn.num_heads,
             head_dim=attn.qkv.out_features // 3 // attn.num_heads, proj_drop=attn.proj_drop, stage=stage,
-            settings=settings, bias_table=attn.relative_position_bias_table, bias_index=attn.relative_position_index,
+            settings=settings, grid=grid, bias_table=attn.relative_position_bias_table,
+            bias_index=attn.relative_position_index,
         )  # fmt: skip
 
     def adapt_call(self, replacement: nn.Module, site: AttentionSite) -> None:

@@ -109,7 +109,9 @@ class HFPvtAdapter(HFStagedAdapter):
                 text = stage_grid_text(grids[stage], getattr(attn, "spatial_reduction", None))
                 settings = {"stage": stage, "grid": text}
                 heads = attn.num_attention_heads
-                sites.append(self.staged_site(path, attn, index, attn.hidden_size, heads, stage, settings))
+                sites.append(
+                    self.staged_site(path, attn, index, attn.hidden_size, heads, stage, settings, grids[stage])
+                )
             index += 1
         return sites, skipped
 
@@ -126,11 +128,12 @@ class HFPvtAdapter(HFStagedAdapter):
 
     def carry(self, site: AttentionSite) -> CarriedReductionAttention:
         attn = site.module
-        stage, settings = self._stages[site.path]
+        stage, settings, grid = self._stages[site.path]
         sr = getattr(attn, "spatial_reduction", None)
         return CarriedReductionAttention(
             qkv=SplitQKV(attn, _QKV_NAMES), proj=attn.proj, num_heads=attn.num_attention_heads,
-            head_dim=attn.attention_head_size, proj_drop=attn.proj_drop, stage=stage, settings=settings, sr=sr,
+            head_dim=attn.attention_head_size, proj_drop=attn.proj_drop, stage=stage, settings=settings,
+            grid=grid, sr=sr,
             reduction_norm=attn.layer_norm if sr is not None else None, reduction_names=_REDUCTION_NAMES,
         )  # fmt: skip
 

@@ -78,18 +78,18 @@ class HFPvtV1Adapter(HFPvtAdapter):
             text = stage_grid_text(grids[stage], getattr(attn, "sequence_reduction", None), cls_token=bool(prefix))
             settings = {"stage": stage, "grid": text, "prefix": prefix}
             heads = attn.num_attention_heads
-            sites.append(self.staged_site(path, attn, index, attn.hidden_size, heads, stage, settings))
+            sites.append(self.staged_site(path, attn, index, attn.hidden_size, heads, stage, settings, grids[stage]))
             index += 1
         return sites, []
 
     def carry(self, site: AttentionSite) -> CarriedReductionAttention:
         attn = site.module
-        stage, settings = self._stages[site.path]
+        stage, settings, grid = self._stages[site.path]
         sr = getattr(attn, "sequence_reduction", None)
         return CarriedReductionAttention(
             qkv=SplitQKV(attn, _QKV_NAMES), proj=OutsideProjection(attn.all_head_size),
             num_heads=attn.num_attention_heads, head_dim=attn.attention_head_size, stage=stage,
-            settings={key: value for key, value in settings.items() if key != "prefix"}, sr=sr,
+            settings={key: value for key, value in settings.items() if key != "prefix"}, grid=grid, sr=sr,
             reduction_norm=attn.layer_norm if sr is not None else None, reduction_names=_REDUCTION_NAMES,
         )  # fmt: skip
 
@@ -101,7 +101,7 @@ class HFPvtV1Adapter(HFPvtAdapter):
         if on_meta(module):
             return site
         carried = self.carry(site)
-        prefix = self._stages[site.path][1]["prefix"]
+        prefix = self._stages[site.path].settings["prefix"]
 
         def call(attn: nn.Module, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
             expected = call_with_height_width(attn, x, grid)  # transformers' own error, if any, comes first

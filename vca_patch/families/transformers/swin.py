@@ -176,7 +176,7 @@ class HFSwinAdapter(HFStagedAdapter):
                 window, _ = _window_and_shift(block, grid)
                 settings = {"stage": stage, "grid": list(grid), "window": [window, window]}
                 dim = (attn.query if nested else attn.q_proj).in_features
-                sites.append(self.staged_site(path, attn, index, dim, attn.num_attention_heads, stage, settings))
+                sites.append(self.staged_site(path, attn, index, dim, attn.num_attention_heads, stage, settings, grid))
             index += 1
         return sites, skipped
 
@@ -195,19 +195,20 @@ class HFSwinAdapter(HFStagedAdapter):
 
     def carry(self, site: AttentionSite) -> CarriedWindowAttention:
         attn = site.module
-        stage, settings = self._stages[site.path]
+        stage, settings, grid = self._stages[site.path]
         if type(attn).__name__ == "Swinv2SelfAttention":  # its output projection stays outside, in attention.output
             return CarriedCosineWindowAttention(
                 qkv=SplitQKV(attn, ("query", "key", "value")), proj=PassThroughProjection(attn.all_head_size),
                 num_heads=attn.num_attention_heads, head_dim=attn.attention_head_size, stage=stage, settings=settings,
-                logit_scale=attn.logit_scale, position_mlp=attn.continuous_position_bias_mlp,
+                grid=grid, logit_scale=attn.logit_scale, position_mlp=attn.continuous_position_bias_mlp,
                 coords_table=attn.relative_coords_table, position_index=attn.relative_position_index,
                 cosine_names=("logit_scale", "continuous_position_bias_mlp"),
             )  # fmt: skip
         bias = attn.relative_position_bias
         return CarriedWindowAttention(
             qkv=SplitQKV(attn), proj=attn.o_proj, proj_name="o_proj", num_heads=attn.num_attention_heads,
-            head_dim=attn.head_dim, stage=stage, settings=settings, bias_table=bias.relative_position_bias_table,
+            head_dim=attn.head_dim, stage=stage, settings=settings, grid=grid,
+            bias_table=bias.relative_position_bias_table,
             bias_index=bias.relative_position_index, bias_module=bias, bias_module_name="relative_position_bias",
         )  # fmt: skip
 

@@ -143,7 +143,8 @@ class VCAConfig(TargetConfig):
         """The default contrast tokens shrunk to the largest square `grid` holds where they do not fit (a small
         image), said in a note; a count the user chose past the grid is refused (`check_contrast_tokens`): more
         contrast tokens than patches would repeat patches instead of summarising them, and cost more than they
-        save. `stage_contrast_tokens` of hierarchical models are not checked here (`grid` is the first stage's)."""
+        save. A hierarchical model's stages are checked at their own grids when their layers are built
+        (`contrast_grid_for`): `grid` is the first stage's."""
         config, notes = self, []
         default, side = type(self).__dataclass_fields__["contrast_tokens"].default, min(grid)
         if side < 1:  # no whole patch: the size checks refuse the image size itself
@@ -164,17 +165,36 @@ class VCAConfig(TargetConfig):
 
     def contrast_grid_for(self, layer_index: int, carried: CarriedAttention | None = None) -> tuple[int, int]:
         """(h, w) of block `layer_index`'s contrast tokens: layer_contrast_tokens, else (a hierarchical stage's
-        `carried`) stage_contrast_tokens or VCA's default for the stage, else contrast_tokens."""
-        n = self.contrast_tokens
-        if isinstance(carried, StagedCarriedAttention):
-            stages = self.stage_contrast_tokens
-            if stages is not None and carried.stage >= len(stages):
-                raise ConfigError(
-                    f"stage_contrast_tokens {stages} has no entry for stage {carried.stage + 1}: give one per stage"
-                )
-            n = stages[carried.stage] if stages is not None else default_stage_contrast_tokens(carried.stage)
-        side = math.isqrt((self.layer_contrast_tokens or {}).get(layer_index, n))
+        `carried`) stage_contrast_tokens or VCA's default for the stage, else contrast_tokens.
+
+        A stage whose token grid the family gives (`StagedCarriedAttention.grid`) is held to the rule `fit_grid`
+        applies to a single grid: a chosen count past the stage's patches is refused (`check_contrast_tokens`), the
+        stage default shrinks to the largest square the grid holds (the report shows the grid used)."""
+        n, option = self._contrast_tokens_for(layer_index, carried)
+        grid = carried.grid if isinstance(carried, StagedCarriedAttention) else None
+        if grid is not None and min(grid) >= 1:
+            if option is None:  # the stage default: fitted, as fit_grid fits the default of a single grid
+                n = min(n, min(grid) ** 2)
+            else:
+                check_contrast_tokens(n, grid, f"{option} (stage {carried.stage + 1}, block {layer_index})")
+        side = math.isqrt(n)
         return side, side
+
+    def _contrast_tokens_for(self, layer_index: int, carried: CarriedAttention | None) -> tuple[int, str | None]:
+        """(n, the option that chose it; None for a hierarchical stage's default)."""
+        chosen = (self.layer_contrast_tokens or {}).get(layer_index)
+        if chosen is not None:
+            return chosen, "layer_contrast_tokens"
+        if not isinstance(carried, StagedCarriedAttention):
+            return self.contrast_tokens, "contrast_tokens"
+        stages = self.stage_contrast_tokens
+        if stages is None:
+            return default_stage_contrast_tokens(carried.stage), None
+        if carried.stage >= len(stages):
+            raise ConfigError(
+                f"stage_contrast_tokens {stages} has no entry for stage {carried.stage + 1}: give one per stage"
+            )
+        return stages[carried.stage], "stage_contrast_tokens"
 
     def uses_token_magnitude(self, carried: CarriedAttention) -> bool:
         """Whether the layer built for `carried` gets the per-token output gain (see `token_magnitude`)."""
