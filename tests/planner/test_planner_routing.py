@@ -150,6 +150,22 @@ def test_anchors_and_the_pruned_search():
     assert everything.unmerged and everything.blocks == [0, 1, 2, 3] and len(everything.schedules) == 9
 
 
+def test_heavier_merges_of_a_shape_two_lighter_ones_run_clear_within_are_not_measured():
+    info = synthetic_info()
+    schedules = merge_schedules(info, RES, (0, 1), (0.25, 0.5, 1.0, 1.5, 2.0), (0.25,))
+    clear = 0.95 * (1 - 0.1)  # merging alone predicted at most this: clear within the budget
+    reach = reachable(info, RES, TRUTH, schedules, {}, budget=0.95, margin=0.1)
+    dropped = [s for s in schedules if s not in reach.schedules]
+    # from block 0: r = 4 and 6 run clear (0.72x, 0.64x), so r = 8 (0.60x) cannot be the most faithful plan; from
+    # block 1: r = 5 and 8 (0.82x, 0.77x) before r = 11; front-loaded from block 0: only two schedules, both kept
+    assert dropped == [MergeSchedule(0, 8), MergeSchedule(1, 11)]
+    for shape in {(s.start, s.first) for s in schedules}:
+        lighter = sorted((s for s in reach.schedules if (s.start, s.first) == shape), key=lambda s: s.r)
+        ratios = [TRUTH.ratio(info, RES, s.per_block(info.depth), {}) for s in lighter]
+        assert sum(r <= clear for r in ratios) <= 2 and all(s.r < d.r for s in lighter for d in dropped if
+                                                            (d.start, d.first) == shape)  # fmt: skip
+
+
 def test_merge_fractions_above_one_front_load_merging_and_reach_dinov2_s_figures():
     info = dataclasses.replace(synthetic_info(12), patch=14)  # DINOv2-S's 12 blocks at 518 px: 1369 patches
     assert merge_rates(info, 518, 0, (1.0, 1.2)) == [114, 137]

@@ -24,6 +24,7 @@ def as_interval(value: RatioInterval | float) -> RatioInterval:
     return value if isinstance(value, RatioInterval) else RatioInterval.exact(float(value))
 
 
+CLEAR_PER_SHAPE = 2  # merge schedules of one shape kept clear within the budget (`_undominated`)
 MAY_PAY = 1.25  # a VCA / MANO block timed alone within this of a softmax block's time may still pay
 MAX_SPREAD = 0.15  # `TimedPlans.spread` counts at most this much: more widens the search and the finalists to
 # nearly everything, each timed as uncertainly (at load 7 on 2 cores, 0.3 took 8 minutes at 518 px)
@@ -164,9 +165,10 @@ def reachable(
     (`options`) in every block before its start, it is predicted within `budget` × (1 + `margin`), or merging alone
     on it was `timed` within that, whatever the prediction; the blocks before a kept schedule's start may be VCA or
     MANO only if merging alone is predicted over `budget` × (1 − `margin`) (where merging alone fits, a VCA or MANO
-    block only costs fidelity). Predicted with `table` as calibrated."""
+    block only costs fidelity). Of each shape's schedules that merging alone keeps clear within the budget, only
+    the lightest `CLEAR_PER_SHAPE` are kept (`_undominated`). Predicted with `table` as calibrated."""
     measured = {c.describe(): t.ratio for c, t in (timed.plans.values() if timed is not None else ())}
-    kept, blocks = [], set()
+    kept, clear, blocks = [], set(), set()
     for merge in schedules:
         schedule, start = merge.per_block(info.depth), merge.start
         vca, mano = _fastest_before(table, options, start)
@@ -176,8 +178,26 @@ def reachable(
         kept.append(merge)
         if table.ratio(info, resolution, schedule, {}) > budget * (1 - margin):
             blocks.update(range(start))
+        else:
+            clear.add(merge)
     vca, mano = _fastest_before(table, options, info.depth)
     unmerged = bool(options) and table.ratio(info, resolution, [0] * info.depth, vca, mano) <= budget * (1 + margin)
     if unmerged:
         blocks.update(range(info.depth))
-    return Reach(kept, sorted(blocks) if options else [], unmerged)
+    return Reach(_undominated(kept, clear), sorted(blocks) if options else [], unmerged)
+
+
+def _undominated(kept: list[MergeSchedule], clear: set[MergeSchedule]) -> list[MergeSchedule]:
+    """`kept` less the schedules a lighter one of the same shape (start, first merge) dominates: merging more
+    tokens costs fidelity, so once `CLEAR_PER_SHAPE` schedules of a shape run clear within the budget by merging
+    alone, a heavier one of that shape (faster still, less faithful; with VCA or MANO before it, faster and less
+    faithful again) cannot be the best plan. The second clear one is kept in case the first times over."""
+    seen: dict[tuple[int, int | None], int] = {}
+    dominated = set()
+    for merge in sorted(kept, key=lambda m: m.r):
+        shape = (merge.start, merge.first)
+        if seen.get(shape, 0) >= CLEAR_PER_SHAPE:
+            dominated.add(merge)
+        elif merge in clear:
+            seen[shape] = seen.get(shape, 0) + 1
+    return [merge for merge in kept if merge not in dominated]
