@@ -78,3 +78,34 @@ def test_transfer_freezes_everything_outside_attention(model):
     assert not model.head.weight.requires_grad and not model.patch_embed.proj.weight.requires_grad
     with pytest.raises(ValueError, match="trains nothing"):
         stage_optimizer(model, StageSpec(name="z", kind="distill", steps=2, lr=0.0, options={"lambda_lr": 0.0}))
+
+
+def test_norms_and_biases_train_only_those_bitfit():
+    torch.manual_seed(0)
+    model = tiny_vit()
+    vca_patch.patch_model(model, vca_patch.MergeConfig(r=2))
+    stage = StageSpec(name="b", kind="distill", steps=2, lr=1e-4, carried_lr=1e-4, rest_lr=1e-4,
+                      train_only="norms_and_biases")  # fmt: skip
+    optimizer = stage_optimizer(model, stage)
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    names = {name for name, p in model.named_parameters() if id(p) in trained}
+    norms = {f"{path}.{n}" for path, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)
+             for n, _ in m.named_parameters(recurse=False)}  # fmt: skip
+    biases = {name for name, _ in model.named_parameters() if name.endswith(".bias")}
+    assert names == norms | biases and "blocks.0.attn.qkv.bias" in names and "norm.weight" in names
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {name for name, _ in model.named_parameters()} - names
+    assert {"blocks.0.attn.qkv.weight", "pos_embed", "cls_token", "head.weight"} <= frozen
+    everything = stage_optimizer(model, StageSpec(name="a", kind="distill", steps=2, lr=1e-4, carried_lr=1e-4,
+                                                  rest_lr=1e-4))  # fmt: skip
+    assert sum(len(g["params"]) for g in everything.param_groups) == len(list(model.parameters()))
+    assert all(p.requires_grad for p in model.parameters())  # "all" unfreezes what BitFit froze
+
+
+def test_train_only_is_checked_when_the_recipe_loads(tmp_path):
+    from vca_patch.train.recipe import RecipeError, load_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text("name: x\nstages:\n  - {name: d, kind: distill, steps: 1, train_only: biases}\n")
+    with pytest.raises(RecipeError, match="train_only.*one of 'all', 'norms_and_biases'"):
+        load_recipe(path)

@@ -18,14 +18,20 @@ def stage_optimizer(model: nn.Module, stage: StageSpec) -> torch.optim.AdamW:
     """AdamW over the groups with a learning rate > 0 (the others are frozen: requires_grad False).
 
     Every group starts at the stage's peak lr with an `lr_scale` (its own lr / the peak), which timm's
-    schedulers multiply in, so one schedule drives groups with different learning rates.
+    schedulers multiply in, so one schedule drives groups with different learning rates. With `train_only`
+    "norms_and_biases", only those parameters of each group train (`norms_and_biases`).
     """
     groups = parameter_groups(model)
+    if stage.train_only == "norms_and_biases":
+        chosen = norms_and_biases(model)
+        groups = {name: [(n, p) for n, p in params if id(p) in chosen] for name, params in groups.items()}
     lrs = {"new": stage.lr, **group_learning_rates(stage.options), "carried": stage.carried_lr, "rest": stage.rest_lr}
     if stage.kind == "attention_transfer":
         lrs["rest"] = 0.0  # outside attention nothing is in the loss
     peak = max(lrs.values())
     param_groups = []
+    for p in model.parameters():
+        p.requires_grad_(False)
     for name, params in groups.items():
         for _, p in params:
             p.requires_grad_(lrs[name] > 0)
@@ -38,6 +44,14 @@ def stage_optimizer(model: nn.Module, stage: StageSpec) -> torch.optim.AdamW:
     if not param_groups:
         raise ValueError(f"stage {stage.name!r} trains nothing: every learning rate is 0")
     return torch.optim.AdamW(param_groups, betas=(0.9, 0.999))
+
+
+def norms_and_biases(model: nn.Module) -> set[int]:
+    """Ids of BitFit's parameters: every parameter of a normalisation layer (LayerNorm, RMSNorm, GroupNorm,
+    BatchNorm and their subclasses) and every bias."""
+    norms = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
+    chosen = {id(p) for m in model.modules() if isinstance(m, norms) for p in m.parameters(recurse=False)}
+    return chosen | {id(p) for name, p in model.named_parameters() if name.rsplit(".", 1)[-1] == "bias"}
 
 
 class StageScheduler(LRScheduler):

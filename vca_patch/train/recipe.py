@@ -90,6 +90,9 @@ class StageSpec:
     attention-output, teacher-prediction and own-objective losses per the recipe's `diffusion` section).
     lr: the target's new parameters; carried_lr: q/k/v/proj (0 = frozen);
     rest_lr: everything outside attention (distill only; 0 = frozen).
+    train_only: which parameters of each group with a learning rate train: "all", or "norms_and_biases" (BitFit,
+    Zaken et al. 2022: norm weights and biases, and every bias; e.g. 61 k of DINOv2-S's 22 M), a change small
+    enough that a short run on few photos cannot derail features that are already close (a merge plan's).
     feature_space: what a head-less "distill" stage's feature cosine compares: "raw" final tokens, or
     "standardized": each channel centred and scaled by the teacher's running mean and std (token 0 and the
     other tokens apart), so every channel counts as a linear probe on standardised features sees it, not
@@ -109,6 +112,7 @@ class StageSpec:
     lr: float = 3e-3
     carried_lr: float = 0.0
     rest_lr: float = 0.0
+    train_only: Literal["all", "norms_and_biases"] = "all"
     weight_decay: float = 0.0
     warmup_steps: int = 0
     min_lr_ratio: float = 0.01
