@@ -97,8 +97,9 @@ class ConvertArgs:
     recipe: Annotated[
         Path | None,
         typer.Option(
-            help="--budget: a recovery recipe run after calibration when the plan has VCA blocks (its "
-            "data: unlabelled images other than --eval-data)"
+            help="--budget: a recovery recipe run on the chosen plan after calibration, kept only if it brings the "
+            "plan closer on the calibration images (its data: unlabelled images other than --eval-data; merge "
+            "plans: recipes/dinov2_small_merge.yaml)"
         ),
     ] = None
     merge_fractions: Annotated[

@@ -143,8 +143,9 @@ def make_faster(
     from the last), which are then kept out of planning and calibration. `plan_options` go to `plan_model`
     (contrast_tokens, merge_fractions, mano_windows, local_window, objective, ...). `recover(model, original)`, when
     given, recovers each planning finalist with VCA blocks before it is scored (recovered VCA is a candidate), and
-    runs again after calibration on the chosen plan when it has VCA blocks (merging and MANO have no new parameters
-    to train), returning a line for the report. A copy of the original is kept only while recovering and measuring.
+    runs again after calibration on the chosen plan, whatever it is, returning a line for the report; a recovery
+    that leaves the plan further from the original on the calibration images is undone (`_recovered`). A copy of
+    the original is kept only while recovering and measuring.
     Raises PlanError (nothing changed) when no plan fits the budget, or the best one within it is the original.
     """
     if get_patch_state(model) is not None:
@@ -161,7 +162,7 @@ def make_faster(
     if log is not None:
         log(f"applying {result.chosen.describe()}; measuring it on {where}")
     apply_plan(model, result.config, calib if plan_options.get("calibrate", True) else None)
-    recovery = _recovered(model, original, result, recover, log)
+    recovery = _recovered(model, original, result, recover, calib, log)
     measured = measure_speedup(original, model, held, resolution, repeats=repeats, min_time=min_time)
     return SpeedupReport(
         plan=result, latency_ratio=measured["latency_ratio"], latency_ms=measured["latency_ms"],
@@ -172,16 +173,39 @@ def make_faster(
 
 
 def _recovered(
-    model: nn.Module, original: nn.Module, result: PlanResult, recover: Recover | None, log: Callable | None
+    model: nn.Module,
+    original: nn.Module,
+    result: PlanResult,
+    recover: Recover | None,
+    images: torch.Tensor,
+    log: Callable | None,
 ) -> str | None:
-    """What `recover` did to `model` (in place), or why it was skipped: a plan without VCA blocks has nothing a
-    recovery trains."""
+    """What `recover` did to `model` (in place), or why it was undone: a recovery that leaves the plan further from
+    the original on the calibration `images` than before it (mean of CLS and patch-token cosine) is undone, e.g. a
+    recipe that trains a merge plan's linear weights, which derails its features (`recipes/dinov2_small_merge.yaml`
+    trains its norms and biases instead)."""
     if recover is None:
         return None
-    if not result.chosen.vca_layers:
-        line = f"not recovered: {result.chosen.describe()} has no VCA blocks, so nothing a recovery would train"
-    else:
+    before, kept = _closeness(original, model, images), copy.deepcopy(model.state_dict())
+    try:
         line = recover(model, original)
+    except ValueError as error:  # e.g. a recipe whose learning rates train nothing this plan has
+        model.load_state_dict(kept)
+        line = f"not recovered: {error}"
+    else:
+        after = _closeness(original, model, images)
+        if after < before:
+            model.load_state_dict(kept)
+            line += (f"; undone: it left {result.chosen.describe()} further from the original on the calibration "
+                     f"images ({before:.4f} -> {after:.4f}, mean of CLS and patch-token cosine)")  # fmt: skip
+        else:
+            line += f" (calibration images {before:.4f} -> {after:.4f}, mean of CLS and patch-token cosine)"
     if log is not None:
         log(line)
     return line
+
+
+def _closeness(original: nn.Module, model: nn.Module, images: torch.Tensor) -> float:
+    """Mean of the CLS and patch-token cosine of `model`'s final tokens to `original`'s on `images`."""
+    scores = fidelity(tokens(original, images, 8), tokens(model, images, 8))
+    return (scores["cls_cosine"] + scores["patch_token_cosine"]) / 2
