@@ -107,5 +107,5 @@ def test_train_only_is_checked_when_the_recipe_loads(tmp_path):
 
     path = tmp_path / "r.yaml"
     path.write_text("name: x\nstages:\n  - {name: d, kind: distill, steps: 1, train_only: biases}\n")
-    with pytest.raises(RecipeError, match="train_only.*one of 'all', 'norms_and_biases'"):
+    with pytest.raises(RecipeError, match=r"train_only.*one of 'all', 'norms_and_biases'"):
         load_recipe(path)
