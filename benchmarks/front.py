@@ -201,7 +201,13 @@ def planned(
 
 
 def recovered(
-    twin: nn.Module, original: nn.Module, steps: int, size: int, output: Path, log: Callable[[str], None]
+    twin: nn.Module,
+    original: nn.Module,
+    steps: int,
+    size: int,
+    output: Path,
+    log: Callable[[str], None],
+    recipe_path: Path = RECIPE,
 ) -> tuple[nn.Module, dict]:
     """A copy of `twin` after `steps` steps of the recovery recipe on fresh crops of unlabelled training photos (the
     calibration photos and the Debian photo packages; never an evaluation photo) at `size` px."""
@@ -214,7 +220,7 @@ def recovered(
     from vca_patch.train.recipe import load_recipe
 
     photos = load_photos(CALIBRATION_PHOTOS) | package_photos()
-    recipe = load_recipe(RECIPE)
+    recipe = load_recipe(recipe_path)
     (stage,) = [s for s in recipe.stages if s.kind != "calibrate"]
     recipe = replace(recipe, stages=[replace(stage, steps=steps, warmup_steps=min(stage.warmup_steps, steps // 4))])
     crops = PhotoCrops(photos, size, steps * recipe.train.batch_size, seed=2)
