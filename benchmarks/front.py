@@ -208,9 +208,12 @@ def recovered(
     output: Path,
     log: Callable[[str], None],
     recipe_path: Path = RECIPE,
+    photos: dict[str, torch.Tensor] | None = None,
+    checkpoint_every: int | None = None,
 ) -> tuple[nn.Module, dict]:
     """A copy of `twin` after `steps` steps of the recovery recipe on fresh crops of unlabelled training photos (the
-    calibration photos and the Debian photo packages; never an evaluation photo) at `size` px."""
+    calibration photos and the Debian photo packages, or `photos`; never an evaluation photo) at `size` px;
+    `checkpoint_every`: every so many steps a checkpoint is kept under `output` (`train.checkpoints`)."""
     from dataclasses import replace
 
     from dinov2_weights.photo_packages import package_photos
@@ -219,10 +222,13 @@ def recovered(
     from vca_patch.train.engine import make_accelerator, run_recipe
     from vca_patch.train.recipe import load_recipe
 
-    photos = load_photos(CALIBRATION_PHOTOS) | package_photos()
+    photos = photos if photos is not None else load_photos(CALIBRATION_PHOTOS) | package_photos()
     recipe = load_recipe(recipe_path)
     (stage,) = [s for s in recipe.stages if s.kind != "calibrate"]
     recipe = replace(recipe, stages=[replace(stage, steps=steps, warmup_steps=min(stage.warmup_steps, steps // 4))])
+    if checkpoint_every is not None:
+        train = replace(recipe.train, checkpoint_every=checkpoint_every, keep_checkpoints=steps // checkpoint_every)
+        recipe = replace(recipe, train=train)
     crops = PhotoCrops(photos, size, steps * recipe.train.batch_size, seed=2)
     started = time.perf_counter()
     log(f"  recovering: {steps} steps of {recipe.train.batch_size} crops of {len(photos)} photos at {size} px")

@@ -25,13 +25,23 @@ def test_a_merge_plan_recovers_and_is_measured_on_the_held_out_photos(tmp_path):
     sys.modules[spec.name] = bench
     spec.loader.exec_module(bench)  # benchmarks/ is on the tests' path (pyproject): its `front` import resolves
     result = bench.main(["--size", "56", "--first", "4", "--r", "1", "--steps", "2", "--eval-crops", "0",
+                         "--validation-photos", "3", "--validation-crops", "2", "--select-every", "1",
                          "--results", str(tmp_path)])  # fmt: skip
-    assert json.loads((tmp_path / "merge_recovery_56.json").read_text()) == json.loads(json.dumps(result))
+    saved = json.loads((tmp_path / "merge_recovery_56.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    result = saved  # as written: step keys are strings
     assert result["schedule"] == [4] + [1] * 11 and result["run"]["steps"] == 2 and result["held_out_images"] == 10
     assert result["recipe"] == "dinov2_small_merge.yaml"
+    # 3 training photos kept apart to choose the step: trained on the other 106, the plan or a checkpoint chosen
+    selection = result["run"]["selection"]
+    assert len(result["validation_photos"]) == 3 and result["run"]["photos"] == 106
+    assert sorted(map(int, selection["validation_scores"])) == [0, 1, 2] and selection["validation_crops"] == 2
+    best = max(selection["validation_scores"].values())
+    assert selection["validation_scores"][str(selection["chosen_step"])] == best
     for name in ("plan", "recovered"):
         scores = result["fidelity"][name]
         assert 0.5 < scores["cls_cosine"] < 1 and 0.5 < scores["patch_token_cosine"] < 1
-    assert result["fidelity"]["plan"] != result["fidelity"]["recovered"]  # two BitFit steps moved the features
+    # the plan itself when step 0 is chosen, else a checkpoint whose BitFit steps moved the features
+    assert (result["fidelity"]["plan"] == result["fidelity"]["recovered"]) == (selection["chosen_step"] == 0)
     assert set(result["latency"]) == {"original", "plan", "recovered"}
     assert result["latency"]["original"]["ratio"] == 1.0
