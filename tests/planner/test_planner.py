@@ -591,3 +591,31 @@ def test_measured_table_has_a_merging_overhead_per_token_count():
     table = measure_latency_table(model, info, RES, [4], repeats=1)
     assert len(table.merge_overhead_s) == len(table.softmax_tokens) and min(table.merge_overhead_s) >= 0
     assert type(info.blocks(model)[0].attn).__name__ == "Attention"  # the model itself is left as it came
+
+
+def test_an_earlier_rounds_choice_carried_in_competes_though_off_the_shortlist(monkeypatch):
+    """After a refit, the second round's shortlist may leave out the first round's choice: `carried` keeps it in the
+    comparison (measured once), so a refit cannot swap a better measured plan for a worse one."""
+    from vca_patch.planner import planner as planner_module
+
+    model = tiny_dinov2()
+    cands = [
+        Candidate([0, 2, 2, 2], {}, latency=0.6, cls=0.99, patch=0.99),  # best predicted: the shortlist of one
+        Candidate([0, 0, 2, 2], {}, latency=0.7, cls=0.98, patch=0.98),
+    ]
+    truth = {cands[0].describe(): 0.95, cands[1].describe(): 0.99}
+
+    def fake_fidelity(twin, images, reference):
+        score = truth[_planned_name(twin)]
+        return {"cls_cosine": score, "patch_token_cosine": score, "cls_per_image": [score], "patch_per_image": [score]}
+
+    _stand_in_twins(monkeypatch, {c.describe(): c.latency for c in cands})
+    monkeypatch.setattr(planner_module, "plan_fidelity", fake_fidelity)
+    images, info = torch.randn(2, 3, RES, RES), model_info(model)
+    alone, _ = choose_measured(model, info, cands, 0.8, "both", images, top=1, slack=0.0)
+    assert alone.describe() == cands[0].describe()  # its shortlist: the best predicted only, kept unmeasured
+    measured: dict = {}
+    chosen, scores = choose_measured(model, info, cands, 0.8, "both", images, top=1, slack=0.0, measured=measured,
+                                     carried=[cands[1].describe()])  # fmt: skip
+    assert chosen.describe() == cands[1].describe() and scores["cls_cosine"] == 0.99
+    assert set(measured) == set(truth)  # both measured: the carried plan joined the comparison

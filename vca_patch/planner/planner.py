@@ -344,8 +344,10 @@ def choose_measured(
     timed: TimedPlans | None = None,
     merge_fractions: Sequence[float] = (),
     recover: Recover | None = None,
+    carried: Sequence[str] = (),
 ) -> tuple[Candidate, dict[str, Any]]:
-    """The plan whose *measured* objective is best among those *measured* within `budget` (`finalists`); it carries
+    """The plan whose *measured* objective is best among those *measured* within `budget` (`finalists`, and the plans
+    described in `carried`, e.g. an earlier round's choice, so a refit cannot drop it from the comparison); it carries
     its measured latency (`Candidate.measured_latency`). The prediction only shortlists: on DINOv2 it read 0.60x for
     a plan that measured 0.58x (and 0.503x for one at 0.49x), which a strict cut would refuse.
 
@@ -373,6 +375,8 @@ def choose_measured(
     timing = timing or default_timing(budget, min_time)
     cands = timed.marked(cands)
     shortlist = finalists(cands, budget, objective, top, slack)
+    listed = {c.describe() for c in shortlist}
+    shortlist += [c for c in cands if c.describe() in carried and c.describe() not in listed]
     best_predicted = max((c for c in cands if c.latency <= budget), key=lambda c: (c.score(objective), -c.latency),
                          default=None)  # fmt: skip
     if shortlist == [best_predicted]:
@@ -640,10 +644,13 @@ def _choose(
     measured. The chosen plan's `latency` is the final fit's."""
     resolution, measured = int(images.shape[-1]), {}
     slack = max(LATENCY_SLACK, timed.spread())  # as far as the timings so far may be off
+    earlier: list[str] = []  # the first round's choice competes in the second
     for attempt in range(2):
         cands = timed.marked(candidates(info, resolution, table, sens, objective))
         chosen, finalist = choose_measured(model, info, cands, budget, objective, images, top=top, log=log,
-                                           measured=measured, timed=timed, slack=slack, **options)  # fmt: skip
+                                           measured=measured, timed=timed, slack=slack, carried=earlier,
+                                           **options)  # fmt: skip
+        earlier = [chosen.describe()]
         table = timed.fitted(table, info, resolution)
         cands = timed.marked(candidates(info, resolution, table, sens, objective))
         more = [c for c in finalists(cands, budget, objective, top, slack) if c.describe() not in measured]
