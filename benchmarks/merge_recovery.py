@@ -33,6 +33,7 @@ from front import recovered
 from safetensors.torch import load_file
 
 from vca_patch.core.atomic import atomic_write_text
+from vca_patch.planner.planner import measured_score
 from vca_patch.surgery import patch_model
 from vca_patch.targets.merge import MergeConfig
 from vca_patch.train.checkpoints import list_checkpoints
@@ -106,7 +107,7 @@ def _selected(original, plan, folder: Path, validation: dict, args, log) -> tupl
             model.load_state_dict({key.removeprefix("student."): value for key, value in state.items()})
         step = 0 if path is None else int(path.name.split("_")[1])
         found = fidelity(reference, tokens(model, crops, 4))
-        scores[step] = (found["cls_cosine"] + found["patch_token_cosine"]) / 2
+        scores[step] = measured_score(found, "both")  # mean of CLS and patch-token cosine
         log(f"  step {step}: validation CLS {found['cls_cosine']:.4f} patch {found['patch_token_cosine']:.4f}")
         if best is None or scores[step] > scores[best[0]]:
             best = (step, model.eval())

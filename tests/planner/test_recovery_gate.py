@@ -10,6 +10,7 @@ import torch
 
 from tests.support.recovery import tiny_vit
 from vca_patch import MergeConfig, patch_model
+from vca_patch.eval.final_tokens import tokens
 from vca_patch.planner.speedup import _closeness, _recovered
 
 
@@ -47,7 +48,8 @@ def _derailed(model: torch.nn.Module) -> torch.nn.Module:
 def test_a_recovery_that_moves_the_plan_closer_is_kept():
     original, plan, images = _plan()
     derailed = _derailed(copy.deepcopy(plan))
-    far, near = _closeness(original, derailed, images), _closeness(original, plan, images)
+    reference = tokens(original, images, 8)
+    far, near = _closeness(reference, derailed, images), _closeness(reference, plan, images)
     lines: list[str] = []
 
     def heal(model, _original):  # back to the plan's weights: closer than the derailed start

@@ -21,7 +21,7 @@ from torch import nn
 from vca_patch.core.patch_state import get_patch_state
 from vca_patch.eval.final_tokens import fidelity, latency, tokens
 from vca_patch.planner.model_info import PlanError
-from vca_patch.planner.planner import PlanResult, Recover, apply_plan, plan_model
+from vca_patch.planner.planner import PlanResult, Recover, apply_plan, measured_score, plan_model
 from vca_patch.targets.base import TargetConfig
 
 HOLD_OUT_EVERY = 5  # without eval images: every 5th calibration image (counted from the last) is kept apart
@@ -186,14 +186,15 @@ def _recovered(
     trains its norms and biases instead)."""
     if recover is None:
         return None
-    before, kept = _closeness(original, model, images), copy.deepcopy(model.state_dict())
+    reference = tokens(original, images, 8)  # the original's final tokens, once for before and after
+    before, kept = _closeness(reference, model, images), copy.deepcopy(model.state_dict())
     try:
         line = recover(model, original)
     except ValueError as error:  # e.g. a recipe whose learning rates train nothing this plan has
         model.load_state_dict(kept)
         line = f"not recovered: {error}"
     else:
-        after = _closeness(original, model, images)
+        after = _closeness(reference, model, images)
         if after < before:
             model.load_state_dict(kept)
             line += (f"; undone: it left {result.chosen.describe()} further from the original on the calibration "
@@ -205,7 +206,7 @@ def _recovered(
     return line
 
 
-def _closeness(original: nn.Module, model: nn.Module, images: torch.Tensor) -> float:
-    """Mean of the CLS and patch-token cosine of `model`'s final tokens to `original`'s on `images`."""
-    scores = fidelity(tokens(original, images, 8), tokens(model, images, 8))
-    return (scores["cls_cosine"] + scores["patch_token_cosine"]) / 2
+def _closeness(reference: torch.Tensor, model: nn.Module, images: torch.Tensor) -> float:
+    """Mean of the CLS and patch-token cosine of `model`'s final tokens on `images` to `reference` (the original's
+    there): `measured_score`'s "both"."""
+    return measured_score(fidelity(reference, tokens(model, images, 8)), "both")
